@@ -1,0 +1,32 @@
+# specfx — set-up, demo and tests. Only Python and pip are needed on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: where its CPU build lies on disk pip takes it; the project's own
+# range (torch>=2.11) is then already satisfied and nothing bigger is downloaded.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0 || $(PIP) install --quiet "torch>=2.11"
+	$(PIP) install --quiet -e ".[dev,onnx]"
+	$(PY) -c "import specfx, specfx.passes, specfx.runtime"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m specfx.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,20 @@
+"""FX passes of specfx: one pass per file, each `GraphModule -> PassResult`.
+
+See `README.md` in this folder for the invariants every pass keeps. `REGISTRY` maps each pass
+name to its class; `specfx passes` lists them.
+"""
+
+from specfx.passes.attach_early_exit import AttachEarlyExit, check_exit_layer
+from specfx.passes.check_no_host_sync import CheckNoHostSync, find_host_syncs
+from specfx.passes.cut_at_exit import CutAtExit
+from specfx.passes.find_structure import FindStructure, StructureError, StructureMap, find_structure
+from specfx.passes.fuse_spec_step import FuseSpecStep
+from specfx.passes.infra import REGISTRY, Pass, PassError, PassManager, PassRecord, PassResult
+from specfx.passes.share_kv_buffers import ShareKVBuffers
+from specfx.passes.truncate_at_exit import TruncateAtExit
+
+__all__ = [
+    "AttachEarlyExit", "CheckNoHostSync", "CutAtExit", "FindStructure", "FuseSpecStep", "Pass", "PassError",
+    "PassManager", "PassRecord", "PassResult", "REGISTRY", "ShareKVBuffers", "StructureError",
+    "StructureMap", "TruncateAtExit", "check_exit_layer", "find_host_syncs", "find_structure",
+]

@@ -1,0 +1,32 @@
+"""cut_at_exit: the verify remainder, layers >= E fed by the exit hidden states (KVQ reuse)."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from specfx.passes.find_structure import StructureMap
+from specfx.passes.graph_utils import erase_nodes, finish, layer_nodes, node_named
+from specfx.passes.infra import Pass, PassResult
+
+
+class CutAtExit(Pass):
+    """Turn layer E's input into a graph input and drop layers < E and the embedding."""
+
+    def __init__(self, structure: StructureMap, exit_layer: int):
+        self.structure, self.exit_layer = structure, exit_layer
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        s, E = self.structure, self.exit_layer
+        boundary = node_named(gm, s.layer_outputs[E - 1])
+        input_ids = node_named(gm, s.input_ids)
+        with gm.graph.inserting_before(input_ids):
+            hidden = gm.graph.placeholder("exit_hidden")
+        hidden.meta["val"] = boundary.meta.get("val")
+        boundary.replace_all_uses_with(hidden)
+        erase_nodes(gm, layer_nodes(gm, s.stack_path, lambda i: i < E))
+        finish(gm)
+        if input_ids.users:
+            raise RuntimeError(f"input_ids still used after the cut by {[u.name for u in input_ids.users]}")
+        gm.graph.erase_node(input_ids)
+        gm.meta["inputs"] = ["exit_hidden", "positions"]
+        return PassResult(finish(gm), True, info={"erased_layers": E})

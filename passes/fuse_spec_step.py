@@ -1,0 +1,65 @@
+"""fuse_spec_step: inline every captured-graph call of a traced step into one flat graph."""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from specfx.passes.graph_utils import finish
+from specfx.passes.infra import Pass, PassResult
+
+
+class FuseSpecStep(Pass):
+    """Inline the draft/verify graph calls (k+1 unrolled drafts) so the step is one graph."""
+
+    def __init__(self, k: int | None = None):
+        self.k = k
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        calls = [n for n in gm.graph.nodes if n.op == "call_module"
+                 and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
+        if not calls:
+            return PassResult(gm, False, "no captured-graph calls left to inline")
+        for call in calls:
+            _inline(gm, call)
+        return PassResult(finish(gm), True, info={"inlined_calls": len(calls)})
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
+    sub: fx.GraphModule = gm.get_submodule(call.target)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(call.args) != len(placeholders) or call.kwargs:
+        raise ValueError(f"{call.target}: called with {len(call.args)} args, graph takes {len(placeholders)}")
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, call.args))
+    result = None
+    with gm.graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                result = n.args[0]
+                break
+            if n.op == "get_attr":
+                new = gm.graph.get_attr(f"{call.target}.{n.target}")
+                new.meta = dict(n.meta)
+            else:
+                new = gm.graph.node_copy(n, lambda x: env[x])
+                if n.op == "call_module":
+                    new.target = f"{call.target}.{n.target}"
+            env[n] = new
+    outs = fx.node.map_arg(result, lambda x: env[x])
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            gm.graph.erase_node(user)
+    if call.users:
+        raise ValueError(f"{call.target}: result used other than by indexing ({list(call.users)})")
+    gm.graph.erase_node(call)
+
+
+def count_calls(gm: fx.GraphModule) -> int:
+    """call_module nodes into captured graphs (0 once fused)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_module")
+
+

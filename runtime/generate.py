@@ -1,0 +1,168 @@
+"""The generate loop: chunked prefill, then the fused step, reading the device rarely.
+
+- `Runtime(graphs, backend=..., sync_every=N)` compiles the prefill graph and the fused step.
+- `Runtime.generate(prompts, max_new_tokens, eos_ids, streamer)` returns the new tokens of each
+  row and a `GenerationStats`. The host reads device state once after the first step (TTFT)
+  and then only every `sync_every` steps (done flags, and new tokens for the streamer).
+- `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import fx
+
+from specfx.runtime.memory import PeakMemory
+from specfx.runtime.stats import GenerationStats, acceptance_stats
+
+
+def compile_graph(gm: fx.GraphModule, backend: str):
+    """The callable that runs `gm`: itself for backend="eager", else `torch.compile`d."""
+    if backend == "eager":
+        return gm
+    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runtime:
+    """Runs one `Graphs` bundle (see `specfx.pipeline`) over its static state."""
+
+    def __init__(self, graphs, *, backend: str = "inductor", sync_every: int = 8):
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.graphs, self.state, self.backend, self.sync_every = graphs, graphs.state, backend, sync_every
+        self.prefill_fn = compile_graph(graphs.prefill, backend)
+        self.step_fn = compile_graph(graphs.step, backend)
+        self.device = self.state.tokens.device
+        self.draft_s: float | None = None
+        self.verify_s: float | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.graphs.max_seq_len
+
+    @torch.no_grad()
+    def prefill(self, longest_prompt: int) -> None:
+        """Write the KV of every prompt token but the last (the pending one), chunk by chunk."""
+        st, C = self.state, self.graphs.prefill_chunk
+        B = st.batch_size
+        for c in range(math.ceil((longest_prompt - 1) / C)):
+            pos = torch.arange(c * C, (c + 1) * C, device=self.device).clamp(max=st.seq_len - 1)
+            pos = pos.expand(B, C).contiguous()                       # [B, C]
+            self.prefill_fn(st.tokens.gather(1, pos), pos, *st.kv)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_fn(*self.state.step_args())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: list[int],
+                 streamer=None) -> tuple[list[list[int]], GenerationStats]:
+        st = self.state
+        st.load_prompts(prompts, max_new_tokens, eos_ids)
+        prompt_lens = [p.numel() for p in prompts]
+        eos = set(eos_ids)
+        streamed = [0] * len(prompts)
+        _sync(self.device)
+        with PeakMemory(self.device) as mem:
+            t0 = time.perf_counter()
+            self.prefill(max(prompt_lens))
+            self.step()
+            lengths = st.lengths.tolist()                             # sync: first tokens are ready
+            t_first = time.perf_counter()
+            first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
+            if streamer is not None:
+                self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
+            steps = 1
+            # Each step emits >= 1 token per active row, so max_new_tokens steps always suffice.
+            while steps < max_new_tokens:
+                n = min(self.sync_every, max_new_tokens - steps)
+                for _ in range(n):
+                    self.step_fn(*st.step_args())
+                steps += n
+                if streamer is not None:
+                    self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
+                if bool(st.done[: len(prompts)].all()):             # sync every `sync_every` steps
+                    break
+            lengths = st.lengths.tolist()
+            t_end = time.perf_counter()
+        rows = self._collect(prompt_lens, lengths, max_new_tokens, eos)
+        if streamer is not None:
+            self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
+            streamer.end()
+        calls, mean, by_pos = acceptance_stats(st.accept_hist.tolist())
+        new = sum(len(r) for r in rows)
+        stats = GenerationStats(
+            ttft_s=t_first - t0, total_s=t_end - t0, new_tokens=new, steps=steps,
+            decode_tokens_per_s=(new - first_tokens) / max(t_end - t_first, 1e-9),
+            tokens_per_s=new / max(t_end - t0, 1e-9), target_calls=calls, mean_accepted=mean,
+            acceptance_by_position=by_pos, draft_s=self.draft_s, verify_s=self.verify_s,
+            peak_mem_bytes=mem.peak_bytes,
+        )
+        return rows, stats
+
+    def _collect(self, prompt_lens, lengths, max_new_tokens, eos) -> list[list[int]]:
+        """New tokens of each row: at most max_new_tokens, ending at the first EOS."""
+        tokens = self.state.tokens[: len(prompt_lens)].tolist()
+        rows = []
+        for b, p in enumerate(prompt_lens):
+            new = tokens[b][p : min(lengths[b], p + max_new_tokens)]
+            cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            rows.append(new[:cut])
+        return rows
+
+    def _stream(self, streamer, streamed, prompt_lens, max_new_tokens, eos) -> None:
+        """Hand the streamer the tokens of row 0 it has not seen yet."""
+        lengths = self.state.lengths.tolist()
+        row = self._collect(prompt_lens[:1], lengths[:1], max_new_tokens, eos)[0]
+        if len(row) > streamed[0]:
+            streamer.put(torch.tensor(row[streamed[0]:]))
+            streamed[0] = len(row)
+
+    @torch.no_grad()
+    def profile(self, repeats: int = 20) -> tuple[float, float]:
+        """Median seconds per step spent drafting and verifying, each graph compiled alone."""
+        st, parts, k = self.state, self.graphs.parts, self.graphs.k
+        B = st.batch_size
+        last = (st.lengths - 1).clamp(min=0)[:, None]
+        if "decode" in parts:
+            decode = compile_graph(parts["decode"], self.backend)
+            self.draft_s = 0.0
+            self.verify_s = _median_time(lambda: decode(st.tokens.gather(1, last), last, *st.kv),
+                                         repeats, self.device)
+            return self.draft_s, self.verify_s
+        draft = compile_graph(parts["draft"], self.backend)
+        verify = compile_graph(parts["verify"], self.backend)
+        n_draft = _num_kv(parts["draft"])
+        x = st.tokens.gather(1, last)
+        one = _median_time(lambda: draft(x, last, *st.kv[:n_draft]), repeats, self.device)
+        hidden = draft(x, last, *st.kv[:n_draft])[1].expand(B, k + 1, -1).contiguous()
+        pos = (last + torch.arange(k + 1, device=self.device)).clamp(max=st.seq_len - 1)
+        self.verify_s = _median_time(lambda: verify(hidden, pos, *st.kv[n_draft:]), repeats, self.device)
+        self.draft_s = one * (k + 1)  # k drafts + the pass that gives draft k its exit state
+        return self.draft_s, self.verify_s
+
+
+def _num_kv(gm: fx.GraphModule) -> int:
+    return len(gm.meta.get("kv_inputs", []))
+
+
+def _median_time(fn, repeats: int, device) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]

@@ -1,0 +1,79 @@
+"""Step assembly: one decoding step as a module over the static state, ready to fuse.
+
+Each step module calls the captured graphs (as submodules), then the shared acceptance and
+state update, and returns nothing: all effects are in-place writes to the state tensors passed
+in. `trace_step(module)` turns it into an FX graph whose graph calls stay `call_module` nodes;
+the `fuse_spec_step` pass then inlines them into one flat graph.
+
+- `DecodeStep`: plain static decoding (no speculation), one token per step.
+- `EarlyExitStep`: k early-exit drafts, verification of k+1 positions by layers >= E fed with
+  the drafts' exit hidden states, greedy acceptance, bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from specfx.runtime.accept import commit, greedy_accept
+
+
+class DecodeStep(nn.Module):
+    """No draft: the target decodes the pending token and appends its argmax."""
+
+    k = 0
+
+    def __init__(self, target: fx.GraphModule, num_kv: int, max_pos: int):
+        super().__init__()
+        self.target, self.num_kv, self.max_pos = target, num_kv, max_pos
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist, kv):
+        last = lengths - 1                                            # [B]
+        x = tokens.gather(1, last[:, None])                           # [B, 1]
+        logits = self.target(x, last[:, None], *[kv[i] for i in range(self.num_kv)])[0]
+        emitted = logits.argmax(-1)                                   # [B, 1]
+        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
+
+
+class EarlyExitStep(nn.Module):
+    """k early-exit drafts + verification by the remaining layers + greedy acceptance."""
+
+    def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, exit_layer: int,
+                 num_layers: int, max_pos: int):
+        super().__init__()
+        self.draft, self.verify = draft, verify
+        self.k, self.exit_layer, self.num_layers, self.max_pos = k, exit_layer, num_layers, max_pos
+        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist, kv):
+        split = 2 * self.exit_layer
+        kv_draft = [kv[i] for i in range(split)]
+        kv_verify = [kv[i] for i in range(split, 2 * self.num_layers)]
+        last = lengths - 1                                            # [B]
+        x = tokens.gather(1, last[:, None])                           # [B, 1]
+        hidden, drafts = [], []
+        # k+1 draft passes: the last one only computes the exit hidden state of draft k.
+        for j in range(self.k + 1):
+            pos = (last + j).clamp(max=self.max_pos)[:, None]         # [B, 1]
+            out = self.draft(x, pos, *kv_draft)
+            hidden.append(out[1])                                     # [B, 1, H]
+            if j < self.k:
+                x = out[0].argmax(-1)                                 # [B, 1]
+                drafts.append(x)
+        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
+        target_logits = self.verify(torch.cat(hidden, 1), pos, *kv_verify)[0]
+        emitted, n = greedy_accept(torch.cat(drafts, 1), target_logits)
+        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+
+class _LeafGraphs(fx.Tracer):
+    """Trace a step, keeping calls into captured graphs as `call_module` nodes."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, fx.GraphModule) or super().is_leaf_module(m, qualname)
+
+
+def trace_step(step: nn.Module) -> fx.GraphModule:
+    """FX graph of `step` with the captured graphs as call_module nodes (before fusion)."""
+    graph = _LeafGraphs().trace(step)
+    return fx.GraphModule(step, graph, step.__class__.__name__)

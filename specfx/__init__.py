@@ -1,0 +1,15 @@
+"""specfx: speculative decoding as a compiler plugin for torch.compile.
+
+    import specfx
+    fast = specfx.compile(model, draft=specfx.EarlyExit(layer=4), num_speculative_tokens=4)
+    out = fast.generate(input_ids, max_new_tokens=128)
+
+Exact: greedy output equals `model.generate(do_sample=False)` token for token.
+"""
+
+__version__ = "0.1.0"
+
+from specfx.api import SpeculativeModel, compile  # noqa: E402
+from specfx.drafters import EarlyExit, NoDraft, parse_draft  # noqa: E402
+
+__all__ = ["EarlyExit", "NoDraft", "SpeculativeModel", "compile", "parse_draft", "__version__"]

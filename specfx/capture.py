@@ -1,0 +1,142 @@
+"""Capture: a decoder-only model as plain FX graphs over static KV buffers.
+
+- `StaticDecoder` wraps a Hugging Face causal LM with a static KV cache that writes each row's
+  keys/values at that row's own positions (`scatter_`), and an attention mask built from
+  positions alone: query at position p sees slots <= p. Rows may sit at different lengths, and
+  slots beyond a row's length (rejected drafts) are masked without ever being cropped.
+- `capture(model, width=W, ...)` runs `torch.export` at one fixed query width and returns the
+  unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W]) -> logits [B, W, V]`)
+  with its `StructureMap` (see `specfx.passes.find_structure`).
+
+Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
+past_key_values, use_cache` and calls `cache.update(k, v, layer_idx)` can be captured; that is
+every transformers decoder with a static-cache path (Llama, Qwen2/3, Mistral, Gemma, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from transformers.cache_utils import Cache
+
+from specfx.passes.find_structure import StructureMap, find_structure
+
+KV_PREFIX = "kv_"
+
+
+def kv_name(kind: str, layer: int) -> str:
+    """Attribute name of a KV buffer: `kv_k_3`, `kv_v_3`."""
+    return f"{KV_PREFIX}{kind}_{layer}"
+
+
+def kv_shape(config, batch_size: int, max_seq_len: int) -> tuple[int, int, int, int]:
+    """[B, H_kv, S, D] of one layer's key (or value) buffer."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (batch_size, heads, max_seq_len, head_dim)
+
+
+class _ScatterCache(Cache):
+    """transformers `Cache` that writes k/v of every row at its own positions, in place."""
+
+    def __init__(self, owner: StaticDecoder, positions: torch.Tensor):
+        self.owner, self.positions, self.layers = owner, positions, []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.owner.kv(layer_idx)
+        idx = self.positions[:, None, :, None].expand(key_states.shape)  # [B, H, W, D]
+        keys.scatter_(2, idx, key_states.to(keys.dtype))
+        values.scatter_(2, idx, value_states.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+class StaticDecoder(nn.Module):
+    """A causal LM over static KV buffers; `forward(input_ids, positions) -> logits`."""
+
+    def __init__(self, model: nn.Module, batch_size: int, max_seq_len: int, dtype=None):
+        super().__init__()
+        self.model = model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = config.num_hidden_layers
+        self.max_seq_len = max_seq_len
+        dtype = dtype or next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        shape = kv_shape(config, batch_size, max_seq_len)
+        for i in range(self.num_layers):
+            for kind in "kv":
+                self.register_buffer(kv_name(kind, i), torch.zeros(shape, dtype=dtype, device=device),
+                                     persistent=False)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, kv_name("k", layer)), getattr(self, kv_name("v", layer))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        dtype = self.kv(0)[0].dtype
+        slots = torch.arange(self.max_seq_len, device=positions.device)
+        visible = slots[None, None, :] <= positions[:, :, None]  # [B, W, S]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, W, S]
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, attention_mask=mask,
+            past_key_values=_ScatterCache(self, positions), use_cache=True,
+        )
+        return out.logits
+
+
+@dataclass
+class CapturedGraph:
+    """One exported graph at a fixed query width, with the map of its structure."""
+
+    gm: fx.GraphModule
+    structure: StructureMap
+    width: int
+    batch_size: int
+    max_seq_len: int
+
+
+def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: int = 2048,
+            decoder: StaticDecoder | None = None) -> CapturedGraph:
+    """`torch.export` the model at query width `width` into a plain GraphModule."""
+    decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
+    device = decoder.kv(0)[0].device
+    ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+    pos = torch.arange(width, device=device).expand(batch_size, width).contiguous()
+    import warnings
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
+        ep = torch.export.export(decoder, (ids, pos), strict=False)
+    gm = _plain_graph(ep.module())
+    structure = find_structure(gm)
+    return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
+
+
+def _plain_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make the unlifted module a plain graph: flat positional inputs, a tuple of outputs.
+
+    `ep.module()` adds an input-guard call, dtype assertions and pytree (un)flattening; shapes
+    and dtypes are fixed by construction here, and passes are simpler over flat inputs and
+    outputs and without side-effect-only nodes hanging off the values they rewrite.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            delattr(gm, "_guards_fn")
+        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.graph._codegen = fx.graph.CodeGen()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = output.args[0]
+    output.args = (tuple(outs) if isinstance(outs, (list, tuple)) else (outs,),)
+    gm.graph.lint()
+    # A plain GraphModule: no input-spec hooks; attributes are shared, not copied.
+    return fx.GraphModule(gm, gm.graph, "CapturedDecoder")

@@ -1,0 +1,46 @@
+"""`specfx train layerskip|draft`: reproduce the embedded models (seeded)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """examples:
+  specfx train layerskip --out specfx/zoo/pycoder --steps 1300
+  specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500
+"""
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "train", help="train an embedded model (LayerSkip target or draft)",
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("kind", choices=["layerskip", "draft"], help="which model to train")
+    p.add_argument("--out", required=True, help="output directory (HF checkpoint)")
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
+    p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
+    p.add_argument("--steps", type=int, default=1300, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--p-max", type=float, default=0.1, help="layer dropout of the last layer")
+    p.add_argument("--exit-every", type=int, default=4, help="rotational curriculum period R")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--model", type=json.loads, default={}, help='config overrides as JSON, e.g. \'{"num_hidden_layers": 2}\'')
+    return p
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from specfx.zoo.build import build
+
+    info = build(
+        args.kind, args.out, tokenizer=args.tokenizer, teacher=args.teacher, threads=args.threads,
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        p_max=args.p_max, exit_every=args.exit_every, seed=args.seed, model_overrides=args.model,
+    )
+    Console().print_json(json.dumps(info["heldout"]))
+    return 0

@@ -1,0 +1,124 @@
+"""Build the embedded models end to end: tokenizer, training, held-out evaluation, model card.
+
+`build(kind, out, ...)` is what `specfx train layerskip|draft` runs. It is seeded, so the same
+interpreter (same standard library) and the same arguments give the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from specfx.zoo import corpus
+from specfx.zoo.tokenizer import train_tokenizer
+from specfx.zoo.train import TrainConfig, build_model, exit_logits, hidden_states_by_layer, train
+
+VOCAB_SIZE = 4096
+EVAL_WINDOW = 512
+
+
+def load_or_train_tokenizer(path: str | Path | None, train_files: list[str]):
+    """The tokenizer at `path`, or a new one trained on the training files."""
+    if path is not None:
+        return AutoTokenizer.from_pretrained(str(path))
+    return train_tokenizer((corpus.read(f) for f in train_files), VOCAB_SIZE)
+
+
+@torch.no_grad()
+def evaluate(model, stream: torch.Tensor, *, max_tokens: int = 65536, teacher=None) -> dict:
+    """Held-out loss and top-1 accuracy at every exit layer (and agreement with `teacher`)."""
+    model.eval()
+    L = model.config.num_hidden_layers
+    n = min(stream.numel() - 1, max_tokens) // EVAL_WINDOW * EVAL_WINDOW
+    x = stream[:n].view(-1, EVAL_WINDOW)
+    y = stream[1 : n + 1].view(-1, EVAL_WINDOW)
+    correct = torch.zeros(L)
+    loss = torch.zeros(L)
+    agree = 0
+    for i in range(x.shape[0]):
+        hs = hidden_states_by_layer(model, x[i : i + 1], keep=set(range(L)))
+        for l in range(L):
+            logits = exit_logits(model, hs[l])[0]
+            loss[l] += F.cross_entropy(logits, y[i], reduction="sum")
+            correct[l] += (logits.argmax(-1) == y[i]).sum()
+        if teacher is not None:
+            agree += (teacher(x[i : i + 1]).logits[0].argmax(-1) == logits.argmax(-1)).sum().item()
+    result = {
+        "tokens": n,
+        "loss": round(loss[-1].item() / n, 4),
+        "top1": round(correct[-1].item() / n, 4),
+        "loss_by_exit": [round(v / n, 4) for v in loss.tolist()],
+        "top1_by_exit": [round(v / n, 4) for v in correct.tolist()],
+    }
+    if teacher is not None:
+        result["greedy_agreement_with_target"] = round(agree / n, 4)
+    return result
+
+
+def save(model, tokenizer, out: Path, info: dict) -> None:
+    """Write an HF checkpoint stored as fp16 that loads as float32, plus tokenizer and info."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out)
+    model.to(torch.float32)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = "float32"  # stored as fp16 to halve the repo size; computed in float32
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    (out / "specfx_train.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def build(kind: str, out: str | Path, *, tokenizer: str | Path | None = None,
+          teacher: str | Path | None = None, threads: int | None = None,
+          progress: bool = True, **train_kwargs) -> dict:
+    """Train one embedded model (`kind` = layerskip | draft) into `out`; returns its info."""
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out)
+    train_files, heldout_files = corpus.split(corpus.list_files())
+    tok = load_or_train_tokenizer(tokenizer, train_files)
+    stream = corpus.token_stream(tok, train_files)
+    heldout = corpus.token_stream(tok, heldout_files)
+    cfg = TrainConfig(kind=kind, teacher=str(teacher) if teacher else None, **train_kwargs)
+    model = build_model(kind, tok, **cfg.model_overrides)
+    teacher_model = _load_fp32(teacher) if teacher else None
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)  # early, so a draft can be trained on it while this one runs
+    t0 = time.perf_counter()
+    curve = train(model, stream, cfg, log_path=out / "train_log.json",
+                  teacher=teacher_model, progress=progress)
+    train_s = time.perf_counter() - t0
+    if kind == "draft" and teacher_model is None and tokenizer is not None:
+        try:
+            teacher_model = _load_fp32(tokenizer)
+        except (OSError, ValueError):
+            teacher_model = None
+    metrics = evaluate(model, heldout, teacher=teacher_model)
+    info = {
+        "kind": kind,
+        "config": asdict(cfg),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens": stream.numel(),
+        "train_seconds": round(train_s, 1),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "heldout": metrics,
+        "final_train_loss": curve[-1]["loss"],
+    }
+    save(model, tok, out, info)
+    (out / "train_log.json").write_text(json.dumps({"config": asdict(cfg), "curve": curve}, indent=1))
+    return info
+
+
+def _load_fp32(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
