@@ -1,0 +1,57 @@
+"""Test helpers: tiny random models of several architectures, and the near-tie exactness rule."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig,
+                          Qwen2Config)
+
+ARCHS = ("llama", "qwen2", "mistral", "gemma")
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma": GemmaConfig}
+NEAR_TIE = 1e-4
+
+
+def tiny_model(arch: str = "llama", *, layers: int = 4, vocab: int = 96, seed: int = 0, **extra):
+    """A random-init model, small enough for CPU tests (float32, eval mode)."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gemma":
+        kw["head_dim"] = 16
+    kw.update(extra)
+    model = AutoModelForCausalLM.from_config(_CONFIGS[arch](**kw))
+    # Spread the weights so random logits are not all near ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def hf_greedy(model, ids, max_new_tokens, attention_mask=None, eos_token_id=None):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+
+
+def assert_greedy_equal(model, ours: torch.Tensor, ref: torch.Tensor, prompt_len: int):
+    """Token-for-token equality, except that a divergence at a near-tie ends the comparison.
+
+    Where batched verification changes fp32 rounding enough to flip an argmax, the top-2
+    logit gap of the reference at that point must be below NEAR_TIE; anything else fails.
+    """
+    assert ours.shape[0] == ref.shape[0]
+    for b in range(ours.shape[0]):
+        a, r = ours[b].tolist(), ref[b].tolist()
+        n = min(len(a), len(r))
+        diff = next((i for i in range(prompt_len, n) if a[i] != r[i]), None)
+        if diff is None:
+            assert len(a) == len(r), f"row {b}: lengths differ {len(a)} vs {len(r)}"
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([r[:diff]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        gap = (top2[0] - top2[1]).item()
+        assert gap < NEAR_TIE, (f"row {b}: first divergence at {diff - prompt_len} is not a near-tie "
+                                f"(top-2 gap {gap:.2e}); ours {a[diff]} vs reference {r[diff]}")

@@ -1,0 +1,93 @@
+"""Greedy exactness: specfx.compile(...).generate equals model.generate(do_sample=False)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specfx
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
+
+CASES = [("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (1, 4), (2, 2), (3, 3), (2, 6)]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("draft,k", CASES)
+def test_greedy_equals_model_generate(arch, draft, k):
+    model = tiny_model(arch, layers=4, seed=hash((arch, draft, k)) % 1000)
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=96, backend="eager")
+    g = torch.Generator().manual_seed(k)
+    for prompt_len in (1, 7, 70):  # 70 > one prefill chunk of 64
+        ids = torch.randint(3, 96, (1, prompt_len), generator=g)
+        ours = fast.generate(ids, max_new_tokens=24, eos_token_id=[])
+        ref = hf_greedy(model, ids, 24, eos_token_id=None)
+        assert_greedy_equal(model, ours, ref, prompt_len)
+        stats = fast.last_stats
+        assert stats.new_tokens == 24
+        assert 1.0 <= stats.mean_accepted <= k + 1
+        assert len(stats.acceptance_by_position) == (0 if draft == "none" else k)
+
+
+def test_batched_rows_of_different_lengths_match_row_by_row():
+    model = tiny_model("qwen2", layers=4, seed=3)
+    fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=64,
+                          batch_size=3, backend="eager")
+    ids = torch.randint(3, 96, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0   # left padding
+    mask[2, :8] = 0
+    ids[mask == 0] = 0
+    ours = fast.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    ref = hf_greedy(model, ids, 12, attention_mask=mask, eos_token_id=None)
+    assert ours.shape == ref.shape
+    for b in range(3):
+        row = ids[b][mask[b].bool()][None]
+        single = hf_greedy(model, row, 12)
+        assert_greedy_equal(model, ours[b : b + 1, 9:], single[:, row.shape[1]:], 0)
+
+
+def test_eos_stops_like_model_generate():
+    model = tiny_model("llama", layers=4, seed=5)
+    ids = torch.randint(3, 96, (1, 5))
+    free = hf_greedy(model, ids, 20, eos_token_id=None)[0, 5:].tolist()
+    eos = free[6]  # make the 7th generated token the EOS
+    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=4, max_seq_len=64, backend="eager")
+    ours = fast.generate(ids, max_new_tokens=20, eos_token_id=eos)
+    ref = hf_greedy(model, ids, 20, eos_token_id=eos)
+    assert torch.equal(ours, ref)
+    assert ours[0, -1].item() == eos
+
+
+def test_streamer_receives_the_generated_tokens():
+    class Collect:
+        def __init__(self):
+            self.chunks = []
+            self.ended = False
+
+        def put(self, t):
+            self.chunks.append(t.tolist())
+
+        def end(self):
+            self.ended = True
+
+    model = tiny_model("llama", layers=4, seed=1)
+    fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=2, max_seq_len=64,
+                          backend="eager", sync_every=2)
+    ids = torch.randint(3, 96, (1, 5))
+    s = Collect()
+    out = fast.generate(ids, max_new_tokens=15, eos_token_id=[], streamer=s)
+    assert s.ended and s.chunks[0] == ids[0].tolist()
+    assert sum(s.chunks[1:], []) == out[0, 5:].tolist()
+    assert len(s.chunks) > 2  # streamed in several pieces, not all at the end
+
+
+def test_decorator_form():
+    model = tiny_model("llama", layers=4)
+
+    @specfx.compile(draft="early-exit:2", num_speculative_tokens=2, max_seq_len=32, backend="eager")
+    def fast():
+        return model
+
+    assert isinstance(fast, specfx.SpeculativeModel)
+    ids = torch.randint(3, 96, (1, 4))
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=8, eos_token_id=[]), hf_greedy(model, ids, 8), 4)

@@ -1,0 +1,191 @@
+"""Each pass: graph before -> run the pass -> graph after -> numerics against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+from helpers import tiny_model
+from specfx.capture import capture
+from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, FuseSpecStep,
+                           PassError, PassManager, ShareKVBuffers, TruncateAtExit, find_host_syncs)
+from specfx.passes.find_structure import layer_index
+
+L, W, S = 4, 3, 32
+
+
+@pytest.fixture
+def setup():
+    model = tiny_model("llama", layers=L)
+    ids = torch.randint(3, 96, (1, W))
+    pos = torch.arange(W)[None]
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+    return model, ids, pos, hf
+
+
+def _layers(gm, stack):
+    return {layer_index(n, stack) for n in gm.graph.nodes} - {None}
+
+
+def _head(model, h):
+    return model.lm_head(model.model.norm(h))
+
+
+def _outputs(gm):
+    return next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+
+@pytest.mark.parametrize("E", [1, 2, 3])
+def test_attach_early_exit(setup, E):
+    model, ids, pos, hf = setup
+    cg = capture(model, width=W, max_seq_len=S)
+    assert len(_outputs(cg.gm)) == 1
+    res = AttachEarlyExit(cg.structure, E)(cg.gm)
+    assert res.modified and len(_outputs(res.graph_module)) == 3
+    with torch.no_grad():
+        logits, exit_logits, exit_hidden = res.graph_module(ids, pos)
+        torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(exit_logits, _head(model, hf.hidden_states[E]), atol=1e-4, rtol=1e-4)
+    again = AttachEarlyExit(cg.structure, E)(res.graph_module)
+    assert not again.modified and "already attached" in again.reason
+
+
+def test_attach_early_exit_rejects_out_of_range_layers(setup):
+    cg = capture(setup[0], width=W, max_seq_len=S)
+    for bad in (0, L, L + 3, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            AttachEarlyExit(cg.structure, bad)
+
+
+def test_truncate_at_exit(setup):
+    model, ids, pos, hf = setup
+    E = 2
+    cg = capture(model, width=W, max_seq_len=S)
+    gm = AttachEarlyExit(cg.structure, E)(cg.gm).graph_module
+    assert _layers(gm, cg.structure.stack_path) == set(range(L))
+    res = TruncateAtExit(cg.structure, E)(gm)
+    assert res.modified
+    assert _layers(res.graph_module, cg.structure.stack_path) == set(range(E))
+    with torch.no_grad():
+        exit_logits, exit_hidden = res.graph_module(ids, pos)
+    torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(exit_logits, _head(model, hf.hidden_states[E]), atol=1e-4, rtol=1e-4)
+    # KV of layers < E written, layers >= E untouched.
+    assert res.graph_module.kv_k_0.abs().sum() > 0
+    assert res.graph_module.kv_k_1.abs().sum() > 0
+
+
+def test_truncate_without_exit_is_a_reasoned_no_op(setup):
+    cg = capture(setup[0], width=W, max_seq_len=S)
+    res = TruncateAtExit(cg.structure, 2)(cg.gm)
+    assert not res.modified and "attach_early_exit" in res.reason
+
+
+@pytest.mark.parametrize("E", [1, 3])
+def test_cut_at_exit(setup, E):
+    model, ids, pos, hf = setup
+    cg = capture(model, width=W, max_seq_len=S)
+    res = CutAtExit(cg.structure, E)(cg.gm)
+    gm = res.graph_module
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["exit_hidden", "positions"]
+    assert _layers(gm, cg.structure.stack_path) == set(range(E, L))
+    assert not any(n.target is torch.ops.aten.embedding.default for n in gm.graph.nodes)
+    with torch.no_grad():
+        (logits,) = gm(hf.hidden_states[E], pos)
+    torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_share_kv_buffers(setup):
+    model, ids, pos, hf = setup
+    cg = capture(model, width=W, max_seq_len=S)
+    assert sum(n.op == "get_attr" and n.target.startswith("kv_") for n in cg.gm.graph.nodes) == 2 * L
+    res = ShareKVBuffers()(cg.gm)
+    gm = res.graph_module
+    assert res.modified and gm.meta["kv_inputs"] == [f"kv_{t}_{i}" for i in range(L) for t in "kv"]
+    assert not any(n.op == "get_attr" and n.target.startswith("kv_") for n in gm.graph.nodes)
+    kv = [torch.zeros(1, 2, S, 16) for _ in range(2 * L)]
+    with torch.no_grad():
+        (logits,) = gm(ids, pos, *kv)
+    torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
+    assert all(t.abs().sum() > 0 for t in kv)  # the caller's tensors were written
+    assert not ShareKVBuffers()(gm).modified
+
+
+def test_fuse_spec_step_inlines_calls_and_keeps_numerics():
+    import specfx
+
+    model = tiny_model("llama", layers=L)
+    fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=S,
+                          backend="eager")
+    unfused = fast.graphs.unfused_step
+    calls = [n for n in unfused.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls] == ["draft"] * 4 + ["verify"]
+    fused = fast.graphs.step
+    assert not any(n.op == "call_module" for n in fused.graph.nodes)
+    # Same state in, same state out.
+    ids = torch.randint(3, 96, (1, 6))
+    fast.generate(ids, max_new_tokens=2)
+    st = fast.graphs.state
+    snapshot = [t.clone() for t in st.step_args()[:-1]] + [[t.clone() for t in st.kv]]
+    with torch.no_grad():
+        fused(*st.step_args())
+    after_fused = [t.clone() for t in st.step_args()[:-1]]
+    for t, s in zip(st.step_args()[:-1], snapshot[:-1]):
+        t.copy_(s)
+    for t, s in zip(st.kv, snapshot[-1]):
+        t.copy_(s)
+    with torch.no_grad():
+        unfused(*st.step_args())
+    for a, b in zip(after_fused, st.step_args()[:-1]):
+        assert torch.equal(a, b)
+    assert not FuseSpecStep()(fused).modified
+
+
+def test_check_no_host_sync_flags_syncs_and_passes_the_step():
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            n = x.sum().item()
+            return x.nonzero(), x + n
+
+    gm = fx.symbolic_trace(Bad())
+    res = CheckNoHostSync()(gm)
+    assert not res.modified
+    assert any("item" in s for s in res.info["host_syncs"])
+    assert any("nonzero" in s for s in res.info["host_syncs"])
+    ep = torch.export.export(Bad(), (torch.ones(3),))
+    aten_syncs = find_host_syncs(ep.module())
+    assert any("_local_scalar_dense" in s or "item" in s for s in aten_syncs)
+    assert any("nonzero" in s for s in aten_syncs)
+
+
+def test_pass_manager_records_and_names_the_failing_pass(setup):
+    cg = capture(setup[0], width=W, max_seq_len=S)
+    pm = PassManager()
+    gm = pm.run_all([AttachEarlyExit(cg.structure, 2), TruncateAtExit(cg.structure, 2)], cg.gm, graph="draft")
+    names = [r.name for r in pm.records]
+    assert names == ["attach_early_exit", "truncate_at_exit"]
+    assert pm.records[0].nodes_added > 0 and pm.records[1].nodes_removed > 0
+    assert all(r.kind == "rewrite" and r.modified for r in pm.records)
+
+    class Broken(AttachEarlyExit):
+        pass_name = "broken_pass"
+
+        def call(self, gm):
+            raise RuntimeError("boom")
+
+    with pytest.raises(PassError, match=r"pass broken_pass failed on graph draft: boom \(passes run before it: "
+                                        r"attach_early_exit, truncate_at_exit\)"):
+        pm.run(Broken(cg.structure, 2), gm, graph="draft")
+    REGISTRY.pop("broken_pass")
+
+
+def test_every_pass_is_registered_with_a_docstring():
+    expected = {"find_structure", "attach_early_exit", "truncate_at_exit", "cut_at_exit",
+                "share_kv_buffers", "fuse_spec_step", "check_no_host_sync"}
+    assert expected <= set(REGISTRY)
+    for name in expected:
+        assert REGISTRY[name].summary(), name
+        assert REGISTRY[name].kind in ("analysis", "rewrite")
