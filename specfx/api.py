@@ -103,13 +103,14 @@ class SpeculativeModel:
 
 def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None,
             max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-            sync_every: int = 8):
+            sync_every: int = 8, warmup: bool = True):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
-    `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4.
+    `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4. With
+    `warmup=False` compilation happens at the first `generate` instead of here.
     """
     kwargs = dict(draft=draft, num_speculative_tokens=num_speculative_tokens, max_seq_len=max_seq_len,
-                  batch_size=batch_size, backend=backend, sync_every=sync_every)
+                  batch_size=batch_size, backend=backend, sync_every=sync_every, warmup=warmup)
     if model is None:
         def decorator(fn_or_model):
             m = fn_or_model() if callable(fn_or_model) and not isinstance(fn_or_model, torch.nn.Module) \

@@ -1,36 +1,44 @@
 """`make demo`: the main job on the embedded model, offline.
 
-Loads `pycoder`, completes three held-out prompts with `model.generate` while streaming the
-text, and prints tokens/s for each.
+1. A short side-by-side benchmark on `pycoder` (held-out prompts, greedy): transformers'
+   `generate`, specfx without speculation, and specfx with LayerSkip early-exit speculation.
+2. One completion streamed through the compiled speculative model, with its `last_stats`.
 """
 
 from __future__ import annotations
 
-import time
+import sys
 
 import torch
-from rich.console import Console
 from transformers import TextStreamer
 
 
-def main(num_prompts: int = 3, max_new_tokens: int = 64) -> None:
+def main(num_prompts: int = 6, max_new_tokens: int = 64) -> None:
+    import specfx
     from specfx import zoo
+    from specfx.bench import render, run_bench
+    from specfx.cli.common import console
 
-    console = Console()
+    out = console()
     model, tok = zoo.load("pycoder")
-    for prompt in zoo.prompts("completion")[:num_prompts]:
-        console.rule("[bold]prompt (held-out file)")
-        print(prompt, end="")
-        console.rule("[bold]completion by pycoder")
-        ids = tok(prompt, return_tensors="pt").input_ids
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 streamer=TextStreamer(tok, skip_prompt=True),
-                                 pad_token_id=tok.pad_token_id)
-        dt = time.perf_counter() - t0
-        new = out.shape[1] - ids.shape[1]
-        console.print(f"\n[green]{new} tokens in {dt:.2f} s = {new / dt:.1f} tokens/s[/] (model.generate, greedy)")
+    prompts = zoo.prompts("completion")[:num_prompts]
+    out.rule("[bold]1. benchmark: pycoder, held-out prompts, greedy")
+    result = run_bench(model, tok, prompts, ["hf-greedy", "specfx:none", "specfx:early-exit"],
+                       model_name="pycoder", max_new_tokens=max_new_tokens, repeats=1, warmup=1,
+                       log=lambda m: out.print(m, style="dim", markup=False))
+    out.print(render(result))
+    out.print("(printed by `make demo`; the full table comes from `specfx bench pycoder`)", style="dim")
+
+    out.rule("[bold]2. a completion, streamed by specfx (early exit)")
+    fast = specfx.compile(model, draft="early-exit", max_seq_len=result.settings["max_seq_len"])
+    prompt = prompts[0]
+    print(prompt, end="")
+    sys.stdout.flush()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    fast.generate(ids, max_new_tokens=max_new_tokens, streamer=TextStreamer(tok, skip_prompt=True))
+    print()
+    out.print(fast.last_stats)
+    torch._dynamo.reset()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ import sys
 
 # name -> module in specfx.cli; each module has `add_parser(subparsers)` and `run(args)`.
 COMMANDS = {
+    "generate": "generate",
+    "bench": "bench",
+    "passes": "passes_cmd",
     "zoo": "zoo",
     "train": "train",
 }

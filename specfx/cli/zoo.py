@@ -17,7 +17,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from rich.console import Console
+    from specfx.cli.common import console as console_
     from rich.table import Table
 
     from specfx import zoo
@@ -36,5 +36,5 @@ def run(args) -> int:
             name, f"{info['parameters'] / 1e6:.1f}M", str(len(ho["top1_by_exit"])),
             f"{ho['loss']:.3f}", f"{ho['top1']:.3f}", by_exit,
         )
-    Console().print(table)
+    console_().print(table)
     return 0

@@ -1,0 +1,208 @@
+"""Side-by-side benchmark: every method on the same prompts, same output length, warmed up.
+
+How it measures (printed with every table):
+- each method first runs `warmup` prompts untimed (for specfx, compilation happens in
+  `specfx.compile` and is reported apart as `compile_s`);
+- then `repeats` passes over all prompts; per prompt the median wall time over repeats is kept;
+- tokens/s = all new tokens / sum of per-prompt median times (prefill included, end to end);
+- TTFT = median over prompts of the time from the call to the first new token on the host;
+- exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token;
+- peak memory = CUDA allocator peak, or on CPU the process RSS peak sampled every 5 ms.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specfx.runtime.memory import PeakMemory
+
+HF_METHODS = ("hf-greedy", "hf-early-exit")
+SPECFX_PREFIX = "specfx:"
+
+
+@dataclass
+class MethodRun:
+    """One method's figures over the prompt set."""
+
+    name: str
+    tokens_per_s: float
+    ttft_s: float
+    new_tokens: int
+    mean_accepted: float | None = None
+    acceptance_by_position: list[float] | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    peak_mem_mb: float = 0.0
+    exact_match: float | None = None
+    speedup_vs_hf_greedy: float | None = None
+    compile_s: float | None = None
+    config: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    settings: dict
+    runs: list[MethodRun] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "device": self.device, "settings": self.settings,
+                "runs": [r.to_dict() for r in self.runs]}
+
+
+class _FirstTokenClock:
+    """A streamer that notes when the first new token reaches the host."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _hf_generate(model, ids, max_new_tokens, pad_id, **kw):
+    clock = _FirstTokenClock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_id, streamer=clock, **kw)
+    t1 = time.perf_counter()
+    return out[0, ids.shape[1]:].tolist(), t1 - t0, (clock.first or t1) - t0, None
+
+
+def _specfx_generate(fast, ids, max_new_tokens, pad_id):
+    t0 = time.perf_counter()
+    out = fast.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=pad_id)
+    t1 = time.perf_counter()
+    return out[0, ids.shape[1]:].tolist(), t1 - t0, fast.last_stats.ttft_s, fast.last_stats
+
+
+def parse_method(method: str, default_exit: int) -> tuple[str, int | None]:
+    """("hf-early-exit", 4) from "hf-early-exit:4"; the exit layer defaults to the model's."""
+    prefix = SPECFX_PREFIX if method.startswith(SPECFX_PREFIX) else ""
+    name, _, arg = method[len(prefix):].partition(":")
+    base = prefix + name
+    if base not in HF_METHODS + ("specfx:none", "specfx:early-exit") or (arg and not arg.isdigit()):
+        raise ValueError(f"unknown method {method!r}; expected hf-greedy, hf-early-exit[:E], "
+                         "specfx:none, specfx:early-exit[:E]")
+    layer = int(arg) if arg else (default_exit if "early-exit" in base else None)
+    return base, layer
+
+
+def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model_name: str,
+              max_new_tokens: int = 128, repeats: int = 3, warmup: int = 2, k: int | None = None,
+              backend: str = "inductor", log=print) -> BenchResult:
+    """Run `methods` side by side over `prompts`; see the module docstring for how."""
+    import specfx
+    from specfx.drafters import default_exit_layer
+
+    device = next(model.parameters()).device
+    encoded = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in prompts]
+    longest = max(e.shape[1] for e in encoded)
+    max_seq_len = -(-(longest + max_new_tokens) // 64) * 64
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    default_exit = default_exit_layer(model)
+    settings = dict(prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
+                    greedy=True, backend=backend, max_seq_len=max_seq_len, threads=torch.get_num_threads())
+    result = BenchResult(model_name, _device_name(device), settings)
+
+    log(f"[bench] reference: hf-greedy on {len(prompts)} prompts")
+    reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
+
+    for method in methods:
+        base, layer = parse_method(method, default_exit)
+        name = f"{base}:{layer}" if layer is not None else base
+        compile_s, fast, config = None, None, ""
+        if base.startswith(SPECFX_PREFIX):
+            draft = "none" if base == "specfx:none" else f"early-exit:{layer}"
+            log(f"[bench] {name}: compiling ({backend})")
+            fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
+                                  backend=backend)
+            compile_s = fast.capture_s + fast.compile_s
+            config = f"k={fast.num_speculative_tokens}" if draft != "none" else ""
+            gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id)  # noqa: E731
+        else:
+            kw = {"assistant_early_exit": layer} if base == "hf-early-exit" else {}
+            gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, **kw)  # noqa: E731
+        log(f"[bench] {name}: warm-up, then {repeats} x {len(prompts)} prompts")
+        for ids in encoded[:warmup]:
+            gen(ids)
+        times = [[] for _ in encoded]
+        ttfts = [[] for _ in encoded]
+        outputs, hist = [None] * len(encoded), []
+        with PeakMemory(device) as mem:
+            for _ in range(repeats):
+                for i, ids in enumerate(encoded):
+                    toks, dt, ttft, stats = gen(ids)
+                    times[i].append(dt)
+                    ttfts[i].append(ttft)
+                    outputs[i] = toks
+                    if stats is not None:
+                        hist.append(stats)
+        med = [statistics.median(t) for t in times]
+        new_tokens = sum(len(o) for o in outputs)
+        run = MethodRun(
+            name=name, tokens_per_s=new_tokens / sum(med),
+            ttft_s=statistics.median(statistics.median(t) for t in ttfts), new_tokens=new_tokens,
+            peak_mem_mb=mem.peak_bytes / 2**20, compile_s=compile_s, config=config,
+            exact_match=sum(o == r for o, r in zip(outputs, reference)) / len(reference),
+        )
+        if fast is not None:
+            calls = sum(s.target_calls for s in hist)
+            run.mean_accepted = sum(s.mean_accepted * s.target_calls for s in hist) / max(calls, 1)
+            if fast.num_speculative_tokens and base != "specfx:none":
+                run.acceptance_by_position = [
+                    sum(s.acceptance_by_position[j] * s.target_calls for s in hist) / max(calls, 1)
+                    for j in range(fast.num_speculative_tokens)]
+            run.draft_s, run.verify_s = fast.profile()
+            del fast
+        result.runs.append(run)
+    base_tps = next((r.tokens_per_s for r in result.runs if r.name == "hf-greedy"), None)
+    if base_tps is None:
+        log("[bench] hf-greedy not among the methods: speedups are left empty")
+    for r in result.runs:
+        r.speedup_vs_hf_greedy = r.tokens_per_s / base_tps if base_tps else None
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def render(result: BenchResult):
+    """A rich Table of the runs."""
+    from rich.table import Table
+
+    s = result.settings
+    t = Table(title=f"{result.model} on {result.device}: {s['prompts']} prompts x {s['max_new_tokens']} "
+                    f"new tokens, greedy, median of {s['repeats']} after {s['warmup']} warm-up")
+    for col in ("method", "tok/s", "speedup", "TTFT ms", "accepted/call", "acceptance by position",
+                "draft ms", "verify ms", "peak MiB", "exact", "compile s"):
+        t.add_column(col, justify="left" if col in ("method", "acceptance by position") else "right")
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in result.runs:
+        acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_position) if r.acceptance_by_position else "-"
+        t.add_row(
+            f"{r.name} {r.config}".strip(), f"{r.tokens_per_s:.1f}", f(r.speedup_vs_hf_greedy, ".2f") + "x",
+            f"{r.ttft_s * 1e3:.1f}", f(r.mean_accepted, ".2f"), acc,
+            f(r.draft_s and r.draft_s * 1e3, ".2f"), f(r.verify_s and r.verify_s * 1e3, ".2f"),
+            f"{r.peak_mem_mb:.0f}", f(r.exact_match, ".2f"), f(r.compile_s, ".1f"),
+        )
+    return t

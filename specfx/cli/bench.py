@@ -1,0 +1,78 @@
+"""`specfx bench`: methods side by side on the same prompts (see specfx.bench for how)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """examples:
+  specfx bench pycoder
+  specfx bench pycoder --methods hf-greedy,specfx:none,specfx:early-exit --max-new-tokens 128 --json out.json
+  specfx bench ./my-hf-checkpoint --methods hf-greedy,specfx:early-exit:4 -k 3
+  specfx bench pycoder --sweep-exit
+"""
+
+DEFAULT_METHODS = "hf-greedy,hf-early-exit,specfx:none,specfx:early-exit"
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="benchmark decoding methods side by side", description=__doc__,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="zoo name (e.g. pycoder) or a local Hugging Face checkpoint directory")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods (default: {DEFAULT_METHODS}); ':E' picks an exit layer")
+    p.add_argument("--prompts", default=None, help="JSONL file of {\"prompt\": ...} (default: the zoo's evaluation set)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (median kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed prompts per method first")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per step (default: the model's tuned k, else 4)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend for specfx methods")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
+    p.add_argument("--sweep-exit", action="store_true",
+                   help="try every exit layer and k in {2,3,4,6}; print the sweet spot")
+    p.add_argument("--save-default", action="store_true",
+                   help="with --sweep-exit: store the best (exit layer, k) in the model's config.json")
+    return p
+
+
+def run(args) -> int:
+    from specfx.cli.common import console as console_
+    import torch
+
+    from specfx.cli.common import load_model, load_prompts
+
+    console = console_()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, path = load_model(args.model)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    if args.sweep_exit:
+        from specfx.sweep import render_sweep, save_default, sweep_exit
+
+        result = sweep_exit(model, tok, prompts, max_new_tokens=args.max_new_tokens, backend=args.backend,
+                            log=lambda m: console.print(m, style="dim", markup=False))
+        console.print(render_sweep(result))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result.to_dict(), f, indent=1)
+        if args.save_default:
+            save_default(path, result.best)
+            console.print(f"saved default exit layer {result.best['exit_layer']}, k={result.best['k']} in {path}/config.json")
+        return 0
+    from specfx.bench import render, run_bench
+
+    result = run_bench(model, tok, prompts, [m.strip() for m in args.methods.split(",") if m.strip()],
+                       model_name=args.model, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                       warmup=args.warmup, k=args.num_speculative_tokens, backend=args.backend,
+                       log=lambda m: console.print(m, style="dim", markup=False))
+    console.print(render(result))
+    console.print(f"command: specfx bench {args.model} --methods {args.methods} --max-new-tokens "
+                  f"{args.max_new_tokens} --repeats {args.repeats}", style="dim")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+        console.print(f"wrote {args.json_out}", style="dim")
+    return 0

@@ -1,0 +1,106 @@
+"""Exit-layer sweep: find the (exit layer, k) sweet spot of a LayerSkip model.
+
+For every exit layer E it measures, on real prompts, how often each draft position is
+accepted (one run at the largest k: `a_i(E)` = P(the first i drafts are accepted)). For every
+(E, k) it times the draft graph and the verify graph, each compiled alone (`profile()`), and
+predicts tokens per second with the expected-tokens form of Leviathan et al.'s speedup:
+
+    tokens per step  T(E, k) = 1 + sum_{i<=k} a_i(E)
+    step time        t(E, k) = (k+1) * draft(E) + verify(E, k)
+    speedup vs none          = T(E, k) * decode / t(E, k)
+
+where `decode` is one plain decoding step. The best pair is then checked with a real run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+KS = (2, 3, 4, 6)
+
+
+@dataclass
+class SweepResult:
+    rows: list[dict] = field(default_factory=list)
+    decode_ms: float = 0.0
+    best: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "decode_ms": self.decode_ms, "best": self.best, "rows": self.rows}
+
+
+def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, num_prompts: int = 8,
+               ks=KS, backend: str = "inductor", log=print) -> SweepResult:
+    import specfx
+
+    encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
+    max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
+    L = model.config.num_hidden_layers
+    result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, ks=list(ks),
+                                       backend=backend, max_seq_len=max_seq_len))
+    base = specfx.compile(model, draft="none", max_seq_len=max_seq_len, backend=backend, warmup=False)
+    base.generate(encoded[0], max_new_tokens=4)
+    result.decode_ms = base.profile()[1] * 1e3
+    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
+    for E in range(1, L):
+        acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len)
+        for k in ks:
+            fast = specfx.compile(model, draft=f"early-exit:{E}", num_speculative_tokens=k,
+                                  max_seq_len=max_seq_len, backend=backend, warmup=False)
+            fast.generate(encoded[0], max_new_tokens=4)
+            draft_s, verify_s = fast.profile()
+            tokens = 1 + sum(acc[:k])
+            step_ms = (draft_s + verify_s) * 1e3
+            row = dict(exit_layer=E, k=k, tokens_per_step=round(tokens, 3),
+                       acceptance_by_position=[round(a, 3) for a in acc[:k]],
+                       draft_ms=round(draft_s * 1e3, 3), verify_ms=round(verify_s * 1e3, 3),
+                       step_ms=round(step_ms, 3),
+                       predicted_speedup=round(tokens * result.decode_ms / step_ms, 3))
+            result.rows.append(row)
+            log(f"[sweep] E={E} k={k}: {tokens:.2f} tokens/step, step {step_ms:.2f} ms, "
+                f"predicted {row['predicted_speedup']:.2f}x vs plain decoding")
+    result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
+    return result
+
+
+def _acceptance(model, E, k, encoded, max_new_tokens, max_seq_len) -> list[float]:
+    """P(first i drafts accepted), i = 1..k, over the prompts (eager: same tokens, no compile)."""
+    import specfx
+
+    fast = specfx.compile(model, draft=f"early-exit:{E}", num_speculative_tokens=k,
+                          max_seq_len=max_seq_len, backend="eager")
+    hist = torch.zeros(k + 1, dtype=torch.long)
+    for ids in encoded:
+        fast.generate(ids, max_new_tokens=max_new_tokens)
+        hist += fast.graphs.state.accept_hist.cpu()
+    calls = hist.sum().item()
+    return [hist[i:].sum().item() / calls for i in range(1, k + 1)]
+
+
+def render_sweep(result: SweepResult):
+    from rich.table import Table
+
+    t = Table(title=f"exit-layer sweep (plain decode step {result.decode_ms:.2f} ms; "
+                    f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
+    for col in ("E", "k", "tokens/step", "draft ms", "verify ms", "step ms", "predicted speedup"):
+        t.add_column(col, justify="right")
+    for r in result.rows:
+        style = "bold green" if r is result.best else None
+        t.add_row(str(r["exit_layer"]), str(r["k"]), f"{r['tokens_per_step']:.2f}", f"{r['draft_ms']:.2f}",
+                  f"{r['verify_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['predicted_speedup']:.2f}x", style=style)
+    t.caption = f"sweet spot: exit layer {result.best['exit_layer']}, k={result.best['k']}"
+    return t
+
+
+def save_default(checkpoint: str | Path, best: dict) -> None:
+    """Record the sweet spot in config.json (read by `specfx.EarlyExit()` and k=None)."""
+    path = Path(checkpoint) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["specfx_exit_layer"] = best["exit_layer"]
+    cfg["specfx_num_speculative_tokens"] = best["k"]
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
