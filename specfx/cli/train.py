@@ -6,8 +6,9 @@ import argparse
 import json
 
 EPILOG = """examples:
-  specfx train layerskip --out specfx/zoo/pycoder --steps 1300
-  specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500
+  specfx train layerskip --out specfx/zoo/pycoder --steps 1200 --threads 2
+  specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500 --threads 1
+  specfx train prompts --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pycode.jsonl
 """
 
 
@@ -16,8 +17,9 @@ def add_parser(sub):
         "train", help="train an embedded model (LayerSkip target or draft)",
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("kind", choices=["layerskip", "draft"], help="which model to train")
-    p.add_argument("--out", required=True, help="output directory (HF checkpoint)")
+    p.add_argument("kind", choices=["layerskip", "draft", "prompts"],
+                   help="which model to train (prompts: cut the evaluation prompts with --tokenizer)")
+    p.add_argument("--out", required=True, help="output directory (HF checkpoint), or the .jsonl for prompts")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--steps", type=int, default=1300, help="optimizer steps")
@@ -37,6 +39,16 @@ def run(args) -> int:
 
     from specfx.zoo.build import build
 
+    if args.kind == "prompts":
+        from transformers import AutoTokenizer
+
+        from specfx.zoo.prompts import write_prompts
+
+        if not args.tokenizer:
+            raise ValueError("specfx train prompts needs --tokenizer DIR")
+        n = write_prompts(AutoTokenizer.from_pretrained(args.tokenizer), args.out)
+        Console().print(f"wrote {n} prompts to {args.out}")
+        return 0
     info = build(
         args.kind, args.out, tokenizer=args.tokenizer, teacher=args.teacher, threads=args.threads,
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,

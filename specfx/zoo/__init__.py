@@ -15,7 +15,7 @@ from pathlib import Path
 
 ZOO_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = ZOO_DIR / "prompts"
-MANIFEST = ZOO_DIR / "corpus_manifest.json"
+MANIFEST = ZOO_DIR / "pycoder" / "corpus_manifest.json"
 
 
 def names() -> list[str]:

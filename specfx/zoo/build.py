@@ -115,7 +115,50 @@ def build(kind: str, out: str | Path, *, tokenizer: str | Path | None = None,
     }
     save(model, tok, out, info)
     (out / "train_log.json").write_text(json.dumps({"config": asdict(cfg), "curve": curve}, indent=1))
+    finish_checkpoint(out)
     return info
+
+
+def finish_checkpoint(out: str | Path) -> None:
+    """Write the corpus manifest and the model card next to a trained checkpoint."""
+    out = Path(out)
+    (out / "corpus_manifest.json").write_text(json.dumps(corpus.manifest(), indent=0) + "\n")
+    (out / "README.md").write_text(model_card(out.name, json.loads((out / "specfx_train.json").read_text())))
+
+
+def model_card(name: str, info: dict) -> str:
+    """A model card from the training record: shape, data, held-out loss and accuracy."""
+    ho = info["heldout"]
+    cfg = info["config"]
+    rows = "\n".join(f"| {i + 1} | {loss:.3f} | {acc:.3f} |" for i, (loss, acc) in
+                     enumerate(zip(ho["loss_by_exit"], ho["top1_by_exit"])))
+    agree = ho.get("greedy_agreement_with_target")
+    agree_line = f"- greedy token agrees with `pycoder`'s greedy token: {agree:.3f}\n" if agree is not None else ""
+    recipe = (f"LayerSkip: layer dropout rising exponentially to p_max={cfg['p_max']}, early-exit loss on "
+              f"every {cfg['exit_every']}th layer in rotation (plus the last), shared final norm and lm_head"
+              if info["kind"] == "layerskip" else
+              "next-token cross-entropy" + (f", distilled from {cfg['teacher']}" if cfg.get("teacher") else ""))
+    return f"""# {name}
+
+A `LlamaForCausalLM` trained by `specfx train {info['kind']}` on the Python standard library of
+Python {info['python']} (whole files held out for evaluation; `corpus_manifest.json` lists them).
+Weights are stored as float16 and load as float32.
+
+- parameters: {info['parameters']:,}
+- training: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']},
+  {info['train_seconds'] / 60:.0f} min on {info['threads']} CPU threads (torch {info['torch']})
+- recipe: {recipe}
+
+## Held-out evaluation ({ho['tokens']:,} tokens of held-out files)
+
+- loss {ho['loss']:.3f}, top-1 next-token accuracy {ho['top1']:.3f}
+{agree_line}
+| exit after layer | loss | top-1 |
+|---:|---:|---:|
+{rows}
+
+Measured by `specfx train` at the end of training (`specfx_train.json` holds the same figures).
+"""
 
 
 def _load_fp32(path):

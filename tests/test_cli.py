@@ -1,0 +1,80 @@
+"""The CLI, driven through argv on a tiny model saved next to the zoo tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from helpers import tiny_model
+from specfx import zoo
+from specfx.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
+    model = tiny_model("llama", layers=4, vocab=len(tok), seed=2)
+    model.config.eos_token_id = tok.eos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_bench_json_has_every_field(checkpoint, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(checkpoint), "--methods", "hf-greedy,hf-early-exit:1,specfx:none,specfx:early-exit:2",
+               "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
+               "--backend", "eager", "-k", "3", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"model", "device", "settings", "runs"}
+    names = [r["name"] for r in data["runs"]]
+    assert names == ["hf-greedy", "hf-early-exit:1", "specfx:none", "specfx:early-exit:2"]
+    for r in data["runs"]:
+        for key in ("tokens_per_s", "ttft_s", "mean_accepted", "acceptance_by_position", "draft_s",
+                    "verify_s", "peak_mem_mb", "exact_match", "speedup_vs_hf_greedy"):
+            assert key in r
+        assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0
+    ee = data["runs"][-1]
+    assert len(ee["acceptance_by_position"]) == 3 and ee["draft_s"] > 0 and ee["verify_s"] > 0
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_rejects_unknown_methods(checkpoint, capsys):
+    assert main(["bench", str(checkpoint), "--methods", "specfx:medusa", "--num-prompts", "1",
+                 "--backend", "eager"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+
+
+def test_generate_streams_and_prints_stats(checkpoint, capsys):
+    rc = main(["generate", str(checkpoint), "--prompt", "def f(x):", "--draft", "early-exit:2",
+               "-k", "2", "--max-new-tokens", "6", "--max-seq-len", "64", "--backend", "eager"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "def f(x):" in out and "mean_accepted" in out and "ttft_s" in out
+
+
+def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
+    from specfx.sweep import save_default, sweep_exit
+
+    from specfx.cli.common import load_model
+
+    model, tok, path = load_model(str(checkpoint))
+    result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1, 2),
+                        backend="eager", log=lambda m: None)
+    assert len(result.rows) == 3 * 2
+    assert result.best in result.rows
+    assert all(r["step_ms"] > 0 and 1 <= r["tokens_per_step"] <= r["k"] + 1 for r in result.rows)
+    save_default(path, result.best)
+    model2, _, _ = load_model(str(checkpoint))
+    import specfx
+
+    fast = specfx.compile(model2, draft="early-exit", max_seq_len=32, backend="eager")
+    assert fast.drafter.layer == result.best["exit_layer"]
+    assert fast.num_speculative_tokens == result.best["k"]
+    torch._dynamo.reset()
