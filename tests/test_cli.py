@@ -78,3 +78,29 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     assert fast.drafter.layer == result.best["exit_layer"]
     assert fast.num_speculative_tokens == result.best["k"]
     torch._dynamo.reset()
+
+
+def test_inspect_reports_structure_passes_and_a_clean_step(checkpoint, tmp_path, capsys):
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", str(checkpoint), "--draft", "early-exit:2", "-k", "3", "--graph", "verify",
+               "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "StructureMap" in text and "cut_at_exit" in text and "def forward" in text
+    data = json.loads(out.read_text())
+    assert {"structure", "passes", "step"} <= set(data)
+    assert data["structure"]["num_layers"] == 4
+    assert data["step"]["host_syncs"] == [] and data["step"]["graph_breaks"] == 0
+    rewrites = [p for p in data["passes"] if p["kind"] == "rewrite"]
+    assert {p["name"] for p in rewrites} == {"attach_early_exit", "truncate_at_exit", "cut_at_exit",
+                                             "share_kv_buffers", "fuse_spec_step"}
+    assert all(p["modified"] for p in rewrites)
+    for p in data["passes"]:
+        assert set(p) >= {"name", "kind", "modified", "reason", "nodes_added", "nodes_removed", "ms"}
+
+
+def test_passes_lists_every_pass(capsys):
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("attach_early_exit", "cut_at_exit", "check_no_host_sync", "analysis", "rewrite"):
+        assert name in out

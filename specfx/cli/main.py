@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "generate": "generate",
     "bench": "bench",
+    "inspect": "inspect_cmd",
     "passes": "passes_cmd",
     "zoo": "zoo",
     "train": "train",

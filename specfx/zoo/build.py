@@ -119,6 +119,20 @@ def build(kind: str, out: str | Path, *, tokenizer: str | Path | None = None,
     return info
 
 
+def reevaluate(out: str | Path, teacher: str | Path | None = None) -> dict:
+    """Recompute a checkpoint's held-out figures (and agreement with `teacher`); rewrite its card."""
+    out = Path(out)
+    model = _load_fp32(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    _, heldout_files = corpus.split(corpus.list_files())
+    info = json.loads((out / "specfx_train.json").read_text())
+    info["heldout"] = evaluate(model, corpus.token_stream(tok, heldout_files),
+                               teacher=_load_fp32(teacher) if teacher else None)
+    (out / "specfx_train.json").write_text(json.dumps(info, indent=1) + "\n")
+    finish_checkpoint(out)
+    return info
+
+
 def finish_checkpoint(out: str | Path) -> None:
     """Write the corpus manifest and the model card next to a trained checkpoint."""
     out = Path(out)
