@@ -40,6 +40,7 @@ class Runtime:
         self.graphs, self.state, self.backend, self.sync_every = graphs, graphs.state, backend, sync_every
         self.prefill_fn = compile_graph(graphs.prefill, backend)
         self.step_fn = compile_graph(graphs.step, backend)
+        self._sample_fn = None
         self.device = self.state.tokens.device
         self.draft_s: float | None = None
         self.verify_s: float | None = None
@@ -63,10 +64,23 @@ class Runtime:
         self.step_fn(*self.state.step_args())
 
     @torch.no_grad()
+    def sample_step(self) -> None:
+        """Draw this step's random numbers from the state's generator, then run the step."""
+        if self._sample_fn is None:
+            self._sample_fn = compile_graph(self.graphs.fused_sample_step(), self.backend)
+        self.state.draw()
+        self._sample_fn(*self.state.step_args())
+
+    @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: list[int],
-                 streamer=None) -> tuple[list[list[int]], GenerationStats]:
+                 streamer=None, sampling: dict | None = None) -> tuple[list[list[int]], GenerationStats]:
+        """Generate for each prompt; `sampling` = dict(temperature, top_k, top_p, seed) or None."""
         st = self.state
         st.load_prompts(prompts, max_new_tokens, eos_ids)
+        step = self.step
+        if sampling is not None:
+            st.set_sampling(**sampling)
+            step = self.sample_step
         prompt_lens = [p.numel() for p in prompts]
         eos = set(eos_ids)
         streamed = [0] * len(prompts)
@@ -74,7 +88,7 @@ class Runtime:
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
             self.prefill(max(prompt_lens))
-            self.step()
+            step()
             lengths = st.lengths.tolist()                             # sync: first tokens are ready
             t_first = time.perf_counter()
             first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
@@ -85,7 +99,7 @@ class Runtime:
             while steps < max_new_tokens:
                 n = min(self.sync_every, max_new_tokens - steps)
                 for _ in range(n):
-                    self.step_fn(*st.step_args())
+                    step()
                 steps += n
                 if streamer is not None:
                     self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist")
+STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist",
+               "uniforms", "noise", "temperature", "top_k", "top_p")
 
 
 @dataclass
@@ -23,17 +24,25 @@ class StaticState:
     done: torch.Tensor         # [B] bool
     eos: torch.Tensor          # [E] long, end-of-sequence ids (-1: none)
     accept_hist: torch.Tensor  # [k+1] long: steps (per active row) that accepted n drafts
+    uniforms: torch.Tensor     # [B, k] float: acceptance draws (sampling)
+    noise: torch.Tensor        # [B, k+1, V] float: Exp(1) draws for the exponential race (sampling)
+    temperature: torch.Tensor  # [1] float
+    top_k: torch.Tensor        # [1] long, 0: off
+    top_p: torch.Tensor        # [1] float, 1: off
     kv: list[torch.Tensor]     # per layer: key, value [B, H, S, D]
+    generator: torch.Generator | None = None
 
     @classmethod
-    def allocate(cls, *, batch_size: int, seq_len: int, k: int, kv_shapes: list[tuple],
-                 dtype: torch.dtype, device) -> StaticState:
+    def allocate(cls, *, batch_size: int, seq_len: int, k: int, vocab_size: int,
+                 kv: list[torch.Tensor], device) -> StaticState:
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
         return cls(
             tokens=z(batch_size, seq_len), lengths=z(batch_size), max_lens=z(batch_size),
             done=z(batch_size, dt=torch.bool), eos=torch.full((1,), -1, dtype=torch.long, device=device),
-            accept_hist=z(k + 1),
-            kv=[torch.zeros(s, dtype=dtype, device=device) for s in kv_shapes],
+            accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
+            noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
+            temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
+            kv=kv, generator=torch.Generator(device=device),
         )
 
     def step_args(self) -> tuple:
@@ -41,7 +50,7 @@ class StaticState:
         return tuple(getattr(self, name) for name in STEP_INPUTS) + (self.kv,)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "generator")}
         out.update({f"kv_{i}": t for i, t in enumerate(self.kv)})
         return out
 
@@ -65,8 +74,27 @@ class StaticState:
             self.lengths[b] = p.numel()
             self.max_lens[b] = p.numel() + max_new_tokens
             self.done[b] = False
+        self.set_sampling(1.0, 0, 1.0, None)
         ids = eos_ids or [-1]
         if len(ids) != self.eos.numel():
             self.eos = torch.tensor(ids, dtype=torch.long, device=self.tokens.device)
         else:
             self.eos.copy_(torch.tensor(ids))
+
+    def set_sampling(self, temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
+        """Sampling settings (device tensors, so the compiled step is reused) and the RNG seed."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(top_k)
+        self.top_p.fill_(top_p)
+        self.generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+
+    def draw(self) -> None:
+        """Fresh random numbers for one sampling step, from this state's generator (no sync)."""
+        self.uniforms.uniform_(generator=self.generator)
+        self.noise.exponential_(generator=self.generator).clamp_(min=1e-30)

@@ -7,7 +7,11 @@ the `fuse_spec_step` pass then inlines them into one flat graph.
 
 - `DecodeStep`: plain static decoding (no speculation), one token per step.
 - `EarlyExitStep`: k early-exit drafts, verification of k+1 positions by layers >= E fed with
-  the drafts' exit hidden states, greedy acceptance, bonus token.
+  the drafts' exit hidden states, acceptance, bonus token.
+
+With `sample=True` a step samples instead of taking the argmax: drafts are drawn from the
+drafter's warped distribution q, and `speculative_accept` (rejection sampling) keeps the
+target's distribution p. Random numbers are step inputs, drawn by the runtime beforehand.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from specfx.runtime.accept import commit, greedy_accept
+from specfx.runtime.sampling import race, speculative_accept, warp
 
 
 class DecodeStep(nn.Module):
@@ -23,15 +28,19 @@ class DecodeStep(nn.Module):
 
     k = 0
 
-    def __init__(self, target: fx.GraphModule, num_kv: int, max_pos: int):
+    def __init__(self, target: fx.GraphModule, num_kv: int, max_pos: int, sample: bool = False):
         super().__init__()
-        self.target, self.num_kv, self.max_pos = target, num_kv, max_pos
+        self.target, self.num_kv, self.max_pos, self.sample = target, num_kv, max_pos, sample
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist, kv):
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, kv):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
         logits = self.target(x, last[:, None], *[kv[i] for i in range(self.num_kv)])[0]
-        emitted = logits.argmax(-1)                                   # [B, 1]
+        if self.sample:
+            emitted = race(warp(logits[:, -1], temperature, top_k, top_p), noise[:, 0])[:, None]
+        else:
+            emitted = logits.argmax(-1)                               # [B, 1]
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
 
 
@@ -39,30 +48,42 @@ class EarlyExitStep(nn.Module):
     """k early-exit drafts + verification by the remaining layers + greedy acceptance."""
 
     def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, exit_layer: int,
-                 num_layers: int, max_pos: int):
+                 num_layers: int, max_pos: int, sample: bool = False):
         super().__init__()
         self.draft, self.verify = draft, verify
         self.k, self.exit_layer, self.num_layers, self.max_pos = k, exit_layer, num_layers, max_pos
+        self.sample = sample
         self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist, kv):
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, kv):
         split = 2 * self.exit_layer
         kv_draft = [kv[i] for i in range(split)]
         kv_verify = [kv[i] for i in range(split, 2 * self.num_layers)]
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
-        hidden, drafts = [], []
+        hidden, drafts, qs = [], [], []
         # k+1 draft passes: the last one only computes the exit hidden state of draft k.
         for j in range(self.k + 1):
             pos = (last + j).clamp(max=self.max_pos)[:, None]         # [B, 1]
             out = self.draft(x, pos, *kv_draft)
             hidden.append(out[1])                                     # [B, 1, H]
             if j < self.k:
-                x = out[0].argmax(-1)                                 # [B, 1]
+                if self.sample:
+                    q = warp(out[0][:, -1], temperature, top_k, top_p)  # [B, V]
+                    x = race(q, noise[:, j])[:, None]
+                    qs.append(q)
+                else:
+                    x = out[0].argmax(-1)                             # [B, 1]
                 drafts.append(x)
         pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
         target_logits = self.verify(torch.cat(hidden, 1), pos, *kv_verify)[0]
-        emitted, n = greedy_accept(torch.cat(drafts, 1), target_logits)
+        if self.sample:
+            p = warp(target_logits, temperature, top_k, top_p)        # [B, k+1, V]
+            emitted, n = speculative_accept(torch.cat(drafts, 1), torch.stack(qs, 1), p,
+                                            uniforms, noise[:, self.k])
+        else:
+            emitted, n = greedy_accept(torch.cat(drafts, 1), target_logits)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 

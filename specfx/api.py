@@ -54,13 +54,20 @@ class SpeculativeModel:
         self.runtime.generate([prompt], max_new_tokens=2, eos_ids=[])
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 max_new_tokens: int = 64, do_sample: bool = False, eos_token_id=None,
-                 pad_token_id: int | None = None, streamer=None, **unsupported) -> torch.Tensor:
-        """Greedy generation; returns [B, prompt + new] like `model.generate`."""
+                 max_new_tokens: int = 64, do_sample: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 eos_token_id=None, pad_token_id: int | None = None, streamer=None,
+                 **unsupported) -> torch.Tensor:
+        """Generate; returns [B, prompt + new] like `model.generate`.
+
+        Greedy by default (equal to `model.generate(do_sample=False)`). With `do_sample=True`
+        it samples from the model's distribution after temperature/top-k/top-p (unset values
+        come from the model's generation_config, as in transformers); speculative rejection
+        sampling keeps that distribution exactly. `seed` makes a run reproducible.
+        """
         if unsupported:
             raise TypeError(f"unsupported generate arguments: {sorted(unsupported)}")
-        if do_sample:
-            raise NotImplementedError("do_sample=True is not supported yet: specfx decodes greedily")
+        sampling = _sampling(self.model, temperature, top_k, top_p, seed) if do_sample else None
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         B, P = input_ids.shape
@@ -82,7 +89,7 @@ class SpeculativeModel:
         pad = pad_token_id if pad_token_id is not None else _pad_id(self.model, eos)
         if streamer is not None:
             streamer.put(input_ids[0].cpu())
-        rows, self.last_stats = self.runtime.generate(prompts, max_new_tokens, eos, streamer)
+        rows, self.last_stats = self.runtime.generate(prompts, max_new_tokens, eos, streamer, sampling)
         width = max(len(r) for r in rows)
         new = torch.full((B, width), pad, dtype=torch.long)
         for b, r in enumerate(rows):
@@ -118,6 +125,14 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
             return SpeculativeModel(m, **kwargs)
         return decorator
     return SpeculativeModel(model, **kwargs)
+
+
+def _sampling(model, temperature, top_k, top_p, seed) -> dict:
+    """Sampling settings, unset ones taken from the model's generation_config like transformers."""
+    gen = getattr(model, "generation_config", None)
+    pick = lambda v, name, default: v if v is not None else (getattr(gen, name, None) if getattr(gen, name, None) is not None else default)  # noqa: E731
+    return dict(temperature=float(pick(temperature, "temperature", 1.0)), top_k=int(pick(top_k, "top_k", 0) or 0),
+                top_p=float(pick(top_p, "top_p", 1.0)), seed=seed)
 
 
 def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -42,7 +42,15 @@ class Graphs:
     parts: dict[str, fx.GraphModule] = field(default_factory=dict)  # draft / verify / decode
     unfused_step: fx.GraphModule | None = None
     records: list = field(default_factory=list)
-    host_syncs: list[str] = field(default_factory=list)
+    make_step: Callable | None = None  # sample: bool -> step module (before tracing)
+    sample_step: fx.GraphModule | None = None
+
+    def fused_sample_step(self) -> fx.GraphModule:
+        """The sampling variant of the step, built on first use."""
+        if self.sample_step is None:
+            pm = PassManager(self.records)
+            self.sample_step = fuse_step(pm, self.make_step(True), graph="sample_step")
+        return self.sample_step
 
 
 _BUILDERS: dict[type, Callable] = {}
@@ -81,27 +89,32 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
                     prefill_chunk=chunk, max_seq_len=max_seq_len)
     cap = lambda width: capture(model, width=width, batch_size=batch_size,  # noqa: E731
                                 max_seq_len=seq_len, decoder=decoder)
-    step_module, k_eff = builder(graphs, pm, cap, drafter, k, seq_len)
-    kv = [t for i in range(L) for t in decoder.kv(i)]
+    graphs.make_step, k_eff = builder(graphs, pm, cap, drafter, k, seq_len)
+    kv = [t for i in range(L) for t in decoder.kv(i)]  # the buffers the graphs were captured with
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
-                                        kv_shapes=[], dtype=kv[0].dtype, device=kv[0].device)
-    graphs.state.kv = kv  # the buffers the graphs were captured with; no second copy
+                                        vocab_size=structure.vocab_size, kv=kv, device=kv[0].device)
     graphs.k = k_eff
-    graphs.unfused_step = trace_step(step_module)
-    unfused = trace_step(step_module)
-    graphs.step = pm.run(FuseSpecStep(k_eff), unfused, graph="step").graph_module
-    graphs.host_syncs = pm.run(CheckNoHostSync(), graphs.step, graph="step").info["host_syncs"]
+    graphs.unfused_step = trace_step(graphs.make_step(False))
+    graphs.step = fuse_step(pm, graphs.make_step(False), graph="step")
     graphs.records = pm.records
-    if graphs.host_syncs:
-        raise HostSyncError("the fused step would sync the host: " + ", ".join(graphs.host_syncs))
     return graphs
+
+
+def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
+    """Trace a step module, inline its graph calls, and refuse it if it would sync the host."""
+    fused = pm.run(FuseSpecStep(), trace_step(step_module), graph=graph).graph_module
+    syncs = pm.run(CheckNoHostSync(), fused, graph=graph).info["host_syncs"]
+    if syncs:
+        raise HostSyncError("the fused step would sync the host: " + ", ".join(syncs))
+    return fused
 
 
 @register(NoDraft)
 def _build_none(graphs: Graphs, pm: PassManager, cap, drafter, k, seq_len):
     decode = pm.run_all([ShareKVBuffers()], cap(1).gm, graph="decode")
     graphs.parts["decode"] = decode
-    return DecodeStep(decode, num_kv=2 * graphs.structure.num_layers, max_pos=seq_len - 1), 0
+    num_kv = 2 * graphs.structure.num_layers
+    return lambda sample: DecodeStep(decode, num_kv=num_kv, max_pos=seq_len - 1, sample=sample), 0
 
 
 @register(EarlyExit)
@@ -113,8 +126,8 @@ def _build_early_exit(graphs: Graphs, pm: PassManager, cap, drafter: EarlyExit, 
                        graph="draft")
     verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], cap(k + 1).gm, graph="verify")
     graphs.parts.update(draft=draft, verify=verify)
-    step = EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers, max_pos=seq_len - 1)
-    return step, k
+    return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
+                                        max_pos=seq_len - 1, sample=sample), k
 
 
 def resolve_drafter(model, drafter):

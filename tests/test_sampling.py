@@ -1,0 +1,171 @@
+"""Exact speculative sampling: hand-built edge cases, the output distribution, end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specfx
+from helpers import tiny_model
+from specfx.passes import find_host_syncs
+from specfx.runtime.sampling import race, speculative_accept, warp
+
+
+def _onehot(tokens, V):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+def test_all_drafts_accepted_gives_k_plus_one_tokens():
+    V, k = 5, 3
+    drafts = torch.tensor([[1, 2, 3]])
+    q = _onehot([1, 2, 3], V)[None]
+    p = _onehot([1, 2, 3, 4], V)[None]                     # target certain of the drafts, bonus 4
+    emitted, n = speculative_accept(drafts, q, p, torch.rand(1, k), torch.ones(1, V))
+    assert n.tolist() == [3] and emitted.tolist() == [[1, 2, 3, 4]]
+
+
+def test_first_draft_rejected_resamples_from_the_residual():
+    V = 4
+    drafts = torch.tensor([[0, 1]])
+    q = torch.tensor([[[0.9, 0.1, 0.0, 0.0], [0.25] * 4]])
+    p = torch.tensor([[[0.1, 0.0, 0.9, 0.0], [0.25] * 4, [0.25] * 4]])
+    emitted, n = speculative_accept(drafts, q, p, torch.tensor([[0.5, 0.0]]), torch.ones(1, V))
+    # p(0)/q(0) = 1/9 < 0.5: rejected; residual max(p - q, 0) is all on token 2.
+    assert n.tolist() == [0] and emitted[0, 0].item() == 2
+
+
+def test_rejection_at_position_i():
+    V, k = 6, 4
+    drafts = torch.tensor([[1, 2, 3, 4]])
+    q = _onehot([1, 2, 3, 4], V)[None]
+    p = _onehot([1, 2, 5, 0, 0], V)[None]                  # position 2 wants 5, not 3
+    emitted, n = speculative_accept(drafts, q, p, torch.rand(1, k), torch.ones(1, V))
+    assert n.tolist() == [2] and emitted[0, :3].tolist() == [1, 2, 5]
+
+
+def test_draft_equal_to_target_accepts_everything_without_nan():
+    torch.manual_seed(0)
+    V, k, B = 8, 3, 64
+    p = torch.softmax(torch.randn(B, k + 1, V), -1)
+    q = p[:, :k].clone()
+    drafts = race(q, torch.empty(B, k, V).exponential_())
+    emitted, n = speculative_accept(drafts, q, p, torch.rand(B, k), torch.empty(B, V).exponential_())
+    assert (n == k).all() and not torch.isnan(emitted.float()).any()
+    # Exactly zero residual with a forced rejection (u > 1) must fall back to p, not NaN.
+    emitted, n = speculative_accept(drafts, q, p, torch.full((B, k), 2.0), torch.ones(B, V))
+    assert (n == 0).all() and ((emitted[:, 0] >= 0) & (emitted[:, 0] < V)).all()
+
+
+def test_disjoint_supports_accept_nothing():
+    V, k = 6, 2
+    q = torch.tensor([[[0.5, 0.5, 0, 0, 0, 0]] * k])
+    p = torch.tensor([[[0, 0, 0.5, 0.5, 0, 0]] * (k + 1)])
+    drafts = torch.tensor([[0, 1]])
+    emitted, n = speculative_accept(drafts, q, p, torch.zeros(1, k), torch.ones(1, V))
+    assert n.tolist() == [0] and emitted[0, 0].item() in (2, 3)
+
+
+def _emitted_tv(N, k=3, V=10, seed=0, accept_always=False):
+    """Total variation between the empirical distribution of each emitted position and p."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(1, k + 1, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(1, k, V, generator=g) * 1.5, -1)
+    P, Q = p.expand(N, -1, -1), q.expand(N, -1, -1)
+    drafts = race(Q, torch.empty(N, k, V).exponential_(generator=g))
+    u = torch.zeros(N, k) if accept_always else torch.rand(N, k, generator=g)
+    emitted, n = speculative_accept(drafts, Q, P, u, torch.empty(N, V).exponential_(generator=g))
+    tvs = []
+    for j in range(k + 1):
+        rows = n >= j                                      # position j was emitted
+        counts = torch.bincount(emitted[rows, j], minlength=V).float()
+        tvs.append(0.5 * (counts / counts.sum() - p[0, j]).abs().sum().item())
+    return tvs
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    small = _emitted_tv(1_000)
+    large = _emitted_tv(100_000)
+    assert max(large[:3]) < 0.01                          # position 3 is emitted less often
+    assert large[3] < 0.02
+    # The error shrinks like 1/sqrt(N): 100x the samples, about 10x less (allow 4x).
+    assert sum(large) < sum(small) / 4
+    # A deliberately wrong sampler (accept every draft) fails the same test.
+    assert max(_emitted_tv(100_000, accept_always=True)) > 0.05
+
+
+def test_warp_matches_transformers_logits_processors():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 50) * 3
+    for T, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (0.7, 0, 0.9), (1.3, 10, 0.8), (0.5, 1, 0.5)]:
+        y = TemperatureLogitsWarper(T)(None, x.clone())
+        y = TopKLogitsWarper(k)(None, y) if k else y
+        y = TopPLogitsWarper(p)(None, y) if p < 1 else y
+        torch.testing.assert_close(warp(x, T, k, p), y.softmax(-1))
+
+
+V_SMALL = 16
+
+
+def _exact_two_token_marginals(model, prompt, T):
+    with torch.no_grad():
+        p1 = warp(model(prompt).logits[0, -1], T, 0, 1.0)                         # [V]
+        ext = torch.cat([prompt.expand(V_SMALL, -1), torch.arange(V_SMALL)[:, None]], 1)
+        p2_given = warp(model(ext).logits[:, -1], T, 0, 1.0)                      # [V, V]
+    return p1, (p1[:, None] * p2_given).sum(0)
+
+
+@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2)])
+def test_end_to_end_distribution_of_the_first_two_tokens(draft, k):
+    model = tiny_model("llama", layers=3, vocab=V_SMALL, seed=4)
+    B, runs, T = 512, 8, 0.9
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=32, batch_size=B,
+                          backend="eager")
+    prompt = torch.tensor([[3, 7, 5, 9]])
+    counts1, counts2 = torch.zeros(V_SMALL), torch.zeros(V_SMALL)
+    for r in range(runs):
+        out = fast.generate(prompt.expand(B, -1), max_new_tokens=2, do_sample=True, temperature=T,
+                            top_k=0, top_p=1.0, seed=r, eos_token_id=[])
+        counts1 += torch.bincount(out[:, 4], minlength=V_SMALL)
+        counts2 += torch.bincount(out[:, 5], minlength=V_SMALL)
+    p1, p2 = _exact_two_token_marginals(model, prompt, T)
+    N = B * runs
+    tv1 = 0.5 * (counts1 / N - p1).abs().sum().item()
+    tv2 = 0.5 * (counts2 / N - p2).abs().sum().item()
+    # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
+    assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    model = tiny_model("llama", layers=4, vocab=64, seed=9)
+    fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=64, backend="eager")
+    ids = torch.randint(3, 64, (1, 6))
+    run = lambda seed: fast.generate(ids, max_new_tokens=24, do_sample=True, temperature=1.0, seed=seed,  # noqa: E731
+                                     eos_token_id=[])
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_bad_sampling_settings_are_refused():
+    model = tiny_model("llama", layers=4)
+    fast = specfx.compile(model, draft="none", max_seq_len=32, backend="eager")
+    ids = torch.ones(1, 3, dtype=torch.long)
+    for kw, msg in [({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k")]:
+        with pytest.raises(ValueError, match=msg):
+            fast.generate(ids, max_new_tokens=2, do_sample=True, **kw)
+
+
+@pytest.mark.slow
+def test_sampling_step_has_no_host_sync_and_compiles_fullgraph():
+    model = tiny_model("llama", layers=3, seed=2)
+    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=32,
+                          backend="inductor", warmup=False)
+    step = fast.graphs.fused_sample_step()
+    assert find_host_syncs(step) == []
+    fast.graphs.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
+    explain = torch._dynamo.explain(step)(*fast.graphs.state.step_args())
+    assert explain.graph_break_count == 0
+    out = fast.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=6, do_sample=True, seed=0)
+    assert out.shape == (1, 9)
