@@ -6,7 +6,8 @@ How it measures (printed with every table):
 - then `repeats` passes over all prompts; per prompt the median wall time over repeats is kept;
 - tokens/s = all new tokens / sum of per-prompt median times (prefill included, end to end);
 - TTFT = median over prompts of the time from the call to the first new token on the host;
-- exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token;
+- exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
+  (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
 - peak memory = CUDA allocator peak, or on CPU the process RSS peak sampled every 5 ms.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from specfx.runtime.memory import PeakMemory
 
-HF_METHODS = ("hf-greedy", "hf-early-exit")
+HF_METHODS = ("hf-greedy", "hf-early-exit", "hf-sample")
 SPECFX_PREFIX = "specfx:"
 
 
@@ -73,19 +74,23 @@ class _FirstTokenClock:
         pass
 
 
-def _hf_generate(model, ids, max_new_tokens, pad_id, **kw):
+def _hf_generate(model, ids, max_new_tokens, pad_id, sampling=None, **kw):
     clock = _FirstTokenClock()
+    sample_kw = dict(do_sample=False) if sampling is None else dict(
+        do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_id, streamer=clock, **kw)
+                             pad_token_id=pad_id, streamer=clock, **sample_kw, **kw)
     t1 = time.perf_counter()
     return out[0, ids.shape[1]:].tolist(), t1 - t0, (clock.first or t1) - t0, None
 
 
-def _specfx_generate(fast, ids, max_new_tokens, pad_id):
+def _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling=None):
+    kw = {} if sampling is None else dict(do_sample=True, temperature=sampling["temperature"],
+                                          top_k=sampling["top_k"], top_p=sampling["top_p"])
     t0 = time.perf_counter()
-    out = fast.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=pad_id)
+    out = fast.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **kw)
     t1 = time.perf_counter()
     return out[0, ids.shape[1]:].tolist(), t1 - t0, fast.last_stats.ttft_s, fast.last_stats
 
@@ -96,7 +101,7 @@ def parse_method(method: str, default_exit: int) -> tuple[str, int | None]:
     name, _, arg = method[len(prefix):].partition(":")
     base = prefix + name
     if base not in HF_METHODS + ("specfx:none", "specfx:early-exit") or (arg and not arg.isdigit()):
-        raise ValueError(f"unknown method {method!r}; expected hf-greedy, hf-early-exit[:E], "
+        raise ValueError(f"unknown method {method!r}; expected hf-greedy, hf-sample, hf-early-exit[:E], "
                          "specfx:none, specfx:early-exit[:E]")
     layer = int(arg) if arg else (default_exit if "early-exit" in base else None)
     return base, layer
@@ -104,8 +109,11 @@ def parse_method(method: str, default_exit: int) -> tuple[str, int | None]:
 
 def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model_name: str,
               max_new_tokens: int = 128, repeats: int = 3, warmup: int = 2, k: int | None = None,
-              backend: str = "inductor", log=print) -> BenchResult:
-    """Run `methods` side by side over `prompts`; see the module docstring for how."""
+              backend: str = "inductor", sampling: dict | None = None, log=print) -> BenchResult:
+    """Run `methods` side by side over `prompts`; see the module docstring for how.
+
+    `sampling` = dict(temperature, top_k, top_p) switches every method to sampling.
+    """
     import specfx
     from specfx.drafters import default_exit_layer
 
@@ -116,11 +124,14 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     default_exit = default_exit_layer(model)
     settings = dict(prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
-                    greedy=True, backend=backend, max_seq_len=max_seq_len, threads=torch.get_num_threads())
+                    greedy=sampling is None, sampling=sampling, backend=backend, max_seq_len=max_seq_len,
+                    threads=torch.get_num_threads())
     result = BenchResult(model_name, _device_name(device), settings)
-
-    log(f"[bench] reference: hf-greedy on {len(prompts)} prompts")
-    reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
+    baseline = "hf-greedy" if sampling is None else "hf-sample"
+    reference = None
+    if sampling is None:
+        log(f"[bench] reference: hf-greedy on {len(prompts)} prompts")
+        reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
 
     for method in methods:
         base, layer = parse_method(method, default_exit)
@@ -133,10 +144,12 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
                                   backend=backend)
             compile_s = fast.capture_s + fast.compile_s
             config = f"k={fast.num_speculative_tokens}" if draft != "none" else ""
-            gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id)  # noqa: E731
+            gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling)  # noqa: E731
         else:
+            if (base == "hf-sample") != (sampling is not None):
+                raise ValueError("hf-sample is the sampling baseline: use it with --sample (and hf-greedy without)")
             kw = {"assistant_early_exit": layer} if base == "hf-early-exit" else {}
-            gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, **kw)  # noqa: E731
+            gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw)  # noqa: E731
         log(f"[bench] {name}: warm-up, then {repeats} x {len(prompts)} prompts")
         for ids in encoded[:warmup]:
             gen(ids)
@@ -158,7 +171,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
             name=name, tokens_per_s=new_tokens / sum(med),
             ttft_s=statistics.median(statistics.median(t) for t in ttfts), new_tokens=new_tokens,
             peak_mem_mb=mem.peak_bytes / 2**20, compile_s=compile_s, config=config,
-            exact_match=sum(o == r for o, r in zip(outputs, reference)) / len(reference),
+            exact_match=None if reference is None else sum(o == r for o, r in zip(outputs, reference)) / len(reference),
         )
         if fast is not None:
             calls = sum(s.target_calls for s in hist)
@@ -170,9 +183,9 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
             run.draft_s, run.verify_s = fast.profile()
             del fast
         result.runs.append(run)
-    base_tps = next((r.tokens_per_s for r in result.runs if r.name == "hf-greedy"), None)
+    base_tps = next((r.tokens_per_s for r in result.runs if r.name == baseline), None)
     if base_tps is None:
-        log("[bench] hf-greedy not among the methods: speedups are left empty")
+        log(f"[bench] {baseline} not among the methods: speedups are left empty")
     for r in result.runs:
         r.speedup_vs_hf_greedy = r.tokens_per_s / base_tps if base_tps else None
     return result
@@ -191,9 +204,11 @@ def render(result: BenchResult):
     from rich.table import Table
 
     s = result.settings
+    mode = "greedy" if s.get("greedy", True) else "sampling " + ", ".join(f"{k}={v}" for k, v in s["sampling"].items())
     t = Table(title=f"{result.model} on {result.device}: {s['prompts']} prompts x {s['max_new_tokens']} "
-                    f"new tokens, greedy, median of {s['repeats']} after {s['warmup']} warm-up")
-    for col in ("method", "tok/s", "speedup", "TTFT ms", "accepted/call", "acceptance by position",
+                    f"new tokens, {mode}, median of {s['repeats']} after {s['warmup']} warm-up")
+    base = "hf-greedy" if s.get("greedy", True) else "hf-sample"
+    for col in ("method", "tok/s", f"vs {base}", "TTFT ms", "accepted/call", "acceptance by position",
                 "draft ms", "verify ms", "peak MiB", "exact", "compile s"):
         t.add_column(col, justify="left" if col in ("method", "acceptance by position") else "right")
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -42,7 +42,7 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys):
         assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0
     ee = data["runs"][-1]
     assert len(ee["acceptance_by_position"]) == 3 and ee["draft_s"] > 0 and ee["verify_s"] > 0
-    assert "speedup" in capsys.readouterr().out
+    assert "vs hf-greedy" in capsys.readouterr().out
 
 
 def test_bench_rejects_unknown_methods(checkpoint, capsys):
@@ -104,3 +104,16 @@ def test_passes_lists_every_pass(capsys):
     out = capsys.readouterr().out
     for name in ("attach_early_exit", "cut_at_exit", "check_no_host_sync", "analysis", "rewrite"):
         assert name in out
+
+
+def test_bench_sampling_mode(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(checkpoint), "--sample", "--temperature", "0.7", "--num-prompts", "2",
+               "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--backend", "eager", "-k", "2",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["runs"]] == ["hf-sample", "specfx:none", "specfx:early-exit:1"]
+    assert all(r["exact_match"] is None for r in data["runs"])
+    assert data["runs"][0]["speedup_vs_hf_greedy"] == 1.0
+    assert data["settings"]["sampling"]["temperature"] == 0.7

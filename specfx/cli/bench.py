@@ -10,17 +10,20 @@ EPILOG = """examples:
   specfx bench pycoder --methods hf-greedy,specfx:none,specfx:early-exit --max-new-tokens 128 --json out.json
   specfx bench ./my-hf-checkpoint --methods hf-greedy,specfx:early-exit:4 -k 3
   specfx bench pycoder --sweep-exit
+  specfx bench pycoder --sample --temperature 0.7
 """
 
 DEFAULT_METHODS = "hf-greedy,hf-early-exit,specfx:none,specfx:early-exit"
+DEFAULT_SAMPLE_METHODS = "hf-sample,specfx:none,specfx:early-exit"
 
 
 def add_parser(sub):
     p = sub.add_parser("bench", help="benchmark decoding methods side by side", description=__doc__,
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="zoo name (e.g. pycoder) or a local Hugging Face checkpoint directory")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods (default: {DEFAULT_METHODS}); ':E' picks an exit layer")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated methods (default: {DEFAULT_METHODS}, or with --sample "
+                        f"{DEFAULT_SAMPLE_METHODS}); ':E' picks an exit layer")
     p.add_argument("--prompts", default=None, help="JSONL file of {\"prompt\": ...} (default: the zoo's evaluation set)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
@@ -31,6 +34,11 @@ def add_parser(sub):
     p.add_argument("--backend", default="inductor", help="torch.compile backend for specfx methods")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
+    p.add_argument("--sample", action="store_true",
+                   help="sample instead of greedy (baseline hf-sample; default methods change accordingly)")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
+    p.add_argument("--top-k", type=int, default=0, help="with --sample (0: off)")
     p.add_argument("--sweep-exit", action="store_true",
                    help="try every exit layer and k in {2,3,4,6}; print the sweet spot")
     p.add_argument("--save-default", action="store_true",
@@ -64,13 +72,17 @@ def run(args) -> int:
         return 0
     from specfx.bench import render, run_bench
 
-    result = run_bench(model, tok, prompts, [m.strip() for m in args.methods.split(",") if m.strip()],
+    methods = args.methods or (DEFAULT_SAMPLE_METHODS if args.sample else DEFAULT_METHODS)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) if args.sample else None
+    result = run_bench(model, tok, prompts, [m.strip() for m in methods.split(",") if m.strip()],
                        model_name=args.model, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                        warmup=args.warmup, k=args.num_speculative_tokens, backend=args.backend,
-                       log=lambda m: console.print(m, style="dim", markup=False))
+                       sampling=sampling, log=lambda m: console.print(m, style="dim", markup=False))
     console.print(render(result))
-    console.print(f"command: specfx bench {args.model} --methods {args.methods} --max-new-tokens "
-                  f"{args.max_new_tokens} --repeats {args.repeats}", style="dim")
+    import sys
+
+    console.print("command: specfx " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("specfx") else "",
+                  style="dim", markup=False)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
