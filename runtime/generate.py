@@ -15,6 +15,7 @@ import time
 import torch
 from torch import fx
 
+from specfx.runtime.cudagraph import GraphedStep
 from specfx.runtime.memory import PeakMemory
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 
@@ -34,14 +35,23 @@ def _sync(device: torch.device) -> None:
 class Runtime:
     """Runs one `Graphs` bundle (see `specfx.pipeline`) over its static state."""
 
-    def __init__(self, graphs, *, backend: str = "inductor", sync_every: int = 8):
+    def __init__(self, graphs, *, backend: str = "inductor", sync_every: int = 8, cudagraphs="auto"):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if cudagraphs not in ("auto", True, False):
+            raise ValueError(f"cudagraphs must be 'auto', True or False, got {cudagraphs!r}")
         self.graphs, self.state, self.backend, self.sync_every = graphs, graphs.state, backend, sync_every
         self.prefill_fn = compile_graph(graphs.prefill, backend)
         self.step_fn = compile_graph(graphs.step, backend)
         self._sample_fn = None
         self.device = self.state.tokens.device
+        if cudagraphs is True and self.device.type != "cuda":
+            raise ValueError("cudagraphs=True needs the model on a CUDA device")
+        self.cudagraphs = self.device.type == "cuda" and cudagraphs is not False
+        self._graphed: dict[bool, GraphedStep] = {}
+        # The host reads the done flags through a pinned buffer with a non-blocking copy.
+        self._done_host = torch.empty(self.state.batch_size, dtype=torch.bool,
+                                      pin_memory=self.device.type == "cuda")
         self.draft_s: float | None = None
         self.verify_s: float | None = None
 
@@ -71,16 +81,30 @@ class Runtime:
         self.state.draw()
         self._sample_fn(*self.state.step_args())
 
+    def step_callable(self, sample: bool):
+        """What one loop iteration calls: the step, or its CUDA-graph replay."""
+        fn = self.sample_step if sample else self.step
+        if not self.cudagraphs:
+            return fn
+        if sample not in self._graphed:
+            self._graphed[sample] = GraphedStep(fn, self.state, sample=sample).capture()
+        return self._graphed[sample]
+
+    def all_done(self, rows: int) -> bool:
+        """Read the done flags (the loop's only sync point between steps)."""
+        self._done_host.copy_(self.state.done, non_blocking=True)
+        _sync(self.device)
+        return bool(self._done_host[:rows].all())
+
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: list[int],
                  streamer=None, sampling: dict | None = None) -> tuple[list[list[int]], GenerationStats]:
         """Generate for each prompt; `sampling` = dict(temperature, top_k, top_p, seed) or None."""
         st = self.state
         st.load_prompts(prompts, max_new_tokens, eos_ids)
-        step = self.step
+        step = self.step_callable(sampling is not None)   # captures before seeding: runs reproduce
         if sampling is not None:
             st.set_sampling(**sampling)
-            step = self.sample_step
         prompt_lens = [p.numel() for p in prompts]
         eos = set(eos_ids)
         streamed = [0] * len(prompts)
@@ -103,7 +127,7 @@ class Runtime:
                 steps += n
                 if streamer is not None:
                     self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
-                if bool(st.done[: len(prompts)].all()):             # sync every `sync_every` steps
+                if self.all_done(len(prompts)):                     # sync every `sync_every` steps
                     break
             lengths = st.lengths.tolist()
             t_end = time.perf_counter()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+MAX_EOS_IDS = 8
 STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist",
                "uniforms", "noise", "temperature", "top_k", "top_p")
 
@@ -22,7 +23,7 @@ class StaticState:
     lengths: torch.Tensor      # [B] long
     max_lens: torch.Tensor     # [B] long: prompt + max_new_tokens
     done: torch.Tensor         # [B] bool
-    eos: torch.Tensor          # [E] long, end-of-sequence ids (-1: none)
+    eos: torch.Tensor          # [MAX_EOS_IDS] long, end-of-sequence ids, -1 padded
     accept_hist: torch.Tensor  # [k+1] long: steps (per active row) that accepted n drafts
     uniforms: torch.Tensor     # [B, k] float: acceptance draws (sampling)
     noise: torch.Tensor        # [B, k+1, V] float: Exp(1) draws for the exponential race (sampling)
@@ -38,7 +39,7 @@ class StaticState:
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
         return cls(
             tokens=z(batch_size, seq_len), lengths=z(batch_size), max_lens=z(batch_size),
-            done=z(batch_size, dt=torch.bool), eos=torch.full((1,), -1, dtype=torch.long, device=device),
+            done=z(batch_size, dt=torch.bool), eos=torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device),
             accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
             noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
             temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
@@ -75,11 +76,10 @@ class StaticState:
             self.max_lens[b] = p.numel() + max_new_tokens
             self.done[b] = False
         self.set_sampling(1.0, 0, 1.0, None)
-        ids = eos_ids or [-1]
-        if len(ids) != self.eos.numel():
-            self.eos = torch.tensor(ids, dtype=torch.long, device=self.tokens.device)
-        else:
-            self.eos.copy_(torch.tensor(ids))
+        if len(eos_ids) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} EOS token ids are supported, got {len(eos_ids)}")
+        # Written in place: a captured CUDA graph reads these addresses.
+        self.eos.copy_(torch.tensor(list(eos_ids) + [-1] * (MAX_EOS_IDS - len(eos_ids))))
 
     def set_sampling(self, temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
         """Sampling settings (device tensors, so the compiled step is reused) and the RNG seed."""

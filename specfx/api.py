@@ -26,7 +26,7 @@ class SpeculativeModel:
 
     def __init__(self, model, *, draft=None, num_speculative_tokens: int | None = None,
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-                 sync_every: int = 8, warmup: bool = True):
+                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto"):
         self.model = model.eval()
         k = num_speculative_tokens if num_speculative_tokens is not None else \
             default_num_speculative_tokens(model, 4)
@@ -34,7 +34,7 @@ class SpeculativeModel:
         self.graphs = pipeline.build(model, parse_draft(draft), k=k, batch_size=batch_size,
                                      max_seq_len=max_seq_len)
         self.drafter = self.graphs.drafter
-        self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every)
+        self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every, cudagraphs=cudagraphs)
         self.capture_s = time.perf_counter() - t0
         self.backend, self.batch_size, self.max_seq_len = backend, batch_size, max_seq_len
         self.last_stats: GenerationStats | None = None
@@ -110,14 +110,16 @@ class SpeculativeModel:
 
 def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None,
             max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-            sync_every: int = 8, warmup: bool = True):
+            sync_every: int = 8, warmup: bool = True, cudagraphs="auto"):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
     `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4. With
-    `warmup=False` compilation happens at the first `generate` instead of here.
+    `warmup=False` compilation happens at the first `generate` instead of here. On CUDA the
+    step is captured as one CUDA graph (`cudagraphs="auto"`; False turns it off).
     """
     kwargs = dict(draft=draft, num_speculative_tokens=num_speculative_tokens, max_seq_len=max_seq_len,
-                  batch_size=batch_size, backend=backend, sync_every=sync_every, warmup=warmup)
+                  batch_size=batch_size, backend=backend, sync_every=sync_every, warmup=warmup,
+                  cudagraphs=cudagraphs)
     if model is None:
         def decorator(fn_or_model):
             m = fn_or_model() if callable(fn_or_model) and not isinstance(fn_or_model, torch.nn.Module) \

@@ -129,7 +129,9 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     result = BenchResult(model_name, _device_name(device), settings)
     baseline = "hf-greedy" if sampling is None else "hf-sample"
     reference = None
-    if sampling is None:
+    if sampling is None and "hf-greedy" in methods:
+        methods = ["hf-greedy"] + [m for m in methods if m != "hf-greedy"]  # its tokens are the reference
+    elif sampling is None:
         log(f"[bench] reference: hf-greedy on {len(prompts)} prompts")
         reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
 
@@ -165,6 +167,8 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
                     outputs[i] = toks
                     if stats is not None:
                         hist.append(stats)
+        if name == "hf-greedy" and sampling is None and reference is None:
+            reference = list(outputs)
         med = [statistics.median(t) for t in times]
         new_tokens = sum(len(o) for o in outputs)
         run = MethodRun(
