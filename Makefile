@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# On a CUDA machine with torch/transformers/triton preinstalled (no network needed).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
