@@ -8,6 +8,8 @@ the `fuse_spec_step` pass then inlines them into one flat graph.
 - `DecodeStep`: plain static decoding (no speculation), one token per step.
 - `EarlyExitStep`: k early-exit drafts, verification of k+1 positions by layers >= E fed with
   the drafts' exit hidden states, acceptance, bonus token.
+- `PromptLookupStep`: k drafts copied from an earlier n-gram match in the token buffer, verified
+  by the whole target in one pass of k+1 positions.
 
 With `sample=True` a step samples instead of taking the argmax: drafts are drawn from the
 drafter's warped distribution q, and `speculative_accept` (rejection sampling) keeps the
@@ -20,6 +22,7 @@ import torch
 from torch import fx, nn
 
 from specfx.runtime.accept import commit, greedy_accept
+from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
 
 
@@ -84,6 +87,32 @@ class EarlyExitStep(nn.Module):
                                             uniforms, noise[:, self.k])
         else:
             emitted, n = greedy_accept(torch.cat(drafts, 1), target_logits)
+        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+
+class PromptLookupStep(nn.Module):
+    """k drafts from n-gram lookup in the token buffer + one verification pass of k+1 tokens."""
+
+    def __init__(self, target: fx.GraphModule, *, k: int, ngram: int, num_kv: int, max_pos: int,
+                 sample: bool = False):
+        super().__init__()
+        self.target, self.k, self.ngram, self.num_kv, self.max_pos = target, k, ngram, num_kv, max_pos
+        self.sample = sample
+        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, kv):
+        last = lengths - 1                                            # [B]
+        drafts = ngram_propose(tokens, lengths, self.ngram, self.k)   # [B, k]
+        x = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)   # [B, k+1]
+        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
+        logits = self.target(x, pos, *[kv[i] for i in range(self.num_kv)])[0]   # [B, k+1, V]
+        if self.sample:
+            p = warp(logits, temperature, top_k, top_p)
+            q = (drafts[..., None] == torch.arange(p.shape[-1], device=p.device)).float()  # one-hot
+            emitted, n = speculative_accept(drafts, q, p, uniforms, noise[:, self.k])
+        else:
+            emitted, n = greedy_accept(drafts, logits)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 

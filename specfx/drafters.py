@@ -1,6 +1,7 @@
 """Drafter configurations: validated dataclasses, and the string forms the CLI accepts.
 
-`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"none"` or None -> `NoDraft()`.
+`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"ngram:3"` -> `PromptLookup(ngram=3)`;
+`"none"` or None -> `NoDraft()`.
 The transform for each config lives in `specfx.pipeline`, registered by config type.
 """
 
@@ -37,14 +38,30 @@ class EarlyExit:
         return "early-exit" if self.layer is None else f"early-exit:{self.layer}"
 
 
-DrafterConfig = NoDraft | EarlyExit
+@dataclass(frozen=True)
+class PromptLookup:
+    """Prompt lookup: draft the tokens that followed the latest earlier match of the last
+    `ngram` tokens (shorter n-grams as fallback), on device; no draft model."""
+
+    ngram: int = 3
+    name = "ngram"
+
+    def __post_init__(self):
+        if not isinstance(self.ngram, int) or self.ngram < 1:
+            raise ValueError(f"PromptLookup(ngram={self.ngram!r}): ngram must be an int >= 1")
+
+    def __str__(self) -> str:
+        return f"ngram:{self.ngram}"
+
+
+DrafterConfig = NoDraft | EarlyExit | PromptLookup
 
 
 def parse_draft(spec) -> DrafterConfig:
     """A drafter config from a config object, a string such as "early-exit:4", or None."""
     if spec is None:
         return NoDraft()
-    if isinstance(spec, (NoDraft, EarlyExit)):
+    if isinstance(spec, (NoDraft, EarlyExit, PromptLookup)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"draft must be a drafter config or a string, got {type(spec).__name__}")
@@ -57,7 +74,12 @@ def parse_draft(spec) -> DrafterConfig:
         if not arg.isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected early-exit:<layer>, e.g. early-exit:4")
         return EarlyExit(layer=int(arg))
-    raise ValueError(f"unknown draft spec {spec!r}; expected one of: none, early-exit, early-exit:<layer>")
+    if name == "ngram":
+        if arg and not arg.lstrip("-").isdigit():
+            raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")
+        return PromptLookup(ngram=int(arg)) if arg else PromptLookup()
+    raise ValueError(f"unknown draft spec {spec!r}; expected one of: none, early-exit, early-exit:<layer>, "
+                     "ngram, ngram:<n>")
 
 
 def default_exit_layer(model) -> int:

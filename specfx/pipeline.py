@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from specfx.capture import StaticDecoder, capture
-from specfx.drafters import EarlyExit, NoDraft, default_exit_layer
+from specfx.drafters import EarlyExit, NoDraft, PromptLookup, default_exit_layer
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, FindStructure, FuseSpecStep,
                            PassManager, ShareKVBuffers, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import StaticState
-from specfx.runtime.step import DecodeStep, EarlyExitStep, trace_step
+from specfx.runtime.step import DecodeStep, EarlyExitStep, PromptLookupStep, trace_step
 
 PREFILL_CHUNK = 64
 
@@ -128,6 +128,15 @@ def _build_early_exit(graphs: Graphs, pm: PassManager, cap, drafter: EarlyExit, 
     graphs.parts.update(draft=draft, verify=verify)
     return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
                                         max_pos=seq_len - 1, sample=sample), k
+
+
+@register(PromptLookup)
+def _build_prompt_lookup(graphs: Graphs, pm: PassManager, cap, drafter: PromptLookup, k, seq_len):
+    verify = pm.run_all([ShareKVBuffers()], cap(k + 1).gm, graph="verify")
+    graphs.parts["verify"] = verify
+    num_kv = 2 * graphs.structure.num_layers
+    return lambda sample: PromptLookupStep(verify, k=k, ngram=drafter.ngram, num_kv=num_kv,
+                                           max_pos=seq_len - 1, sample=sample), k
 
 
 def resolve_drafter(model, drafter):

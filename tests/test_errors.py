@@ -39,7 +39,7 @@ def test_batch_larger_than_compiled(model):
         fast.generate(torch.ones(3, 4, dtype=torch.long), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("spec", ["early-exit:x", "medusa", "none:3"])
+@pytest.mark.parametrize("spec", ["early-exit:x", "medusa", "none:3", "ngram:x"])
 def test_unknown_draft_spec(model, spec):
     with pytest.raises(ValueError, match="draft spec"):
         specfx.compile(model, draft=spec, backend="eager")
@@ -52,3 +52,9 @@ def test_non_layerskip_model_runs_and_reports_low_acceptance(model):
     s = fast.last_stats
     assert s.acceptance_by_position[-1] < 0.5
     assert s.mean_accepted < 3
+
+
+@pytest.mark.parametrize("spec", ["ngram:0", "ngram:-1"])
+def test_ngram_below_one(model, spec):
+    with pytest.raises(ValueError, match="ngram must be an int >= 1"):
+        specfx.compile(model, draft=spec, backend="eager")

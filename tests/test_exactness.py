@@ -8,7 +8,8 @@ import torch
 import specfx
 from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
 
-CASES = [("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (1, 4), (2, 2), (3, 3), (2, 6)]]
+CASES = ([("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (1, 4), (2, 2), (3, 3), (2, 6)]]
+         + [("ngram:3", 4), ("ngram:1", 2)])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -26,6 +27,20 @@ def test_greedy_equals_model_generate(arch, draft, k):
         assert stats.new_tokens == 24
         assert 1.0 <= stats.mean_accepted <= k + 1
         assert len(stats.acceptance_by_position) == (0 if draft == "none" else k)
+
+
+def test_prompt_lookup_accepts_repeated_text():
+    model = tiny_model("mistral", layers=4, seed=12)
+    ids = torch.randint(3, 96, (1, 10)).repeat(1, 5)
+    fast = specfx.compile(model, draft=specfx.PromptLookup(ngram=3), num_speculative_tokens=4, max_seq_len=128,
+                          backend="eager")
+    ours = fast.generate(ids, max_new_tokens=32, eos_token_id=[])
+    assert_greedy_equal(model, ours, hf_greedy(model, ids, 32), 50)
+    # The model continues the pattern it was shown (or not); either way lookup must never be
+    # wrong, and where the output repeats the prompt, drafts are accepted.
+    new = ours[0, 50:].tolist()
+    if new[:10] == ids[0, :10].tolist():
+        assert fast.last_stats.mean_accepted > 2
 
 
 def test_batched_rows_of_different_lengths_match_row_by_row():

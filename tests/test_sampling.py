@@ -117,7 +117,7 @@ def _exact_two_token_marginals(model, prompt, T):
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
-@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2)])
+@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3)])
 def test_end_to_end_distribution_of_the_first_two_tokens(draft, k):
     model = tiny_model("llama", layers=3, vocab=V_SMALL, seed=4)
     B, runs, T = 512, 8, 0.9
