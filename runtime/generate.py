@@ -1,6 +1,6 @@
 """The generate loop: chunked prefill, then the fused step, reading the device rarely.
 
-- `Runtime(graphs, backend=..., sync_every=N)` compiles the prefill graph and the fused step.
+- `Runtime(graphs, backend=..., sync_every=N)` compiles the prefill graph(s) and the fused step.
 - `Runtime.generate(prompts, max_new_tokens, eos_ids, streamer)` returns the new tokens of each
   row and a `GenerationStats`. The host reads device state once after the first step (TTFT)
   and then only every `sync_every` steps (done flags, and new tokens for the streamer).
@@ -41,7 +41,7 @@ class Runtime:
         if cudagraphs not in ("auto", True, False):
             raise ValueError(f"cudagraphs must be 'auto', True or False, got {cudagraphs!r}")
         self.graphs, self.state, self.backend, self.sync_every = graphs, graphs.state, backend, sync_every
-        self.prefill_fn = compile_graph(graphs.prefill, backend)
+        self.prefill_fns = [(compile_graph(p.gm, backend), p.kv) for p in graphs.prefills]
         self.step_fn = compile_graph(graphs.step, backend)
         self._sample_fn = None
         self.device = self.state.tokens.device
@@ -67,7 +67,9 @@ class Runtime:
         for c in range(math.ceil((longest_prompt - 1) / C)):
             pos = torch.arange(c * C, (c + 1) * C, device=self.device).clamp(max=st.seq_len - 1)
             pos = pos.expand(B, C).contiguous()                       # [B, C]
-            self.prefill_fn(st.tokens.gather(1, pos), pos, *st.kv)
+            ids = st.tokens.gather(1, pos)
+            for fn, kv in self.prefill_fns:                           # target, then a draft model
+                fn(ids, pos, *st.kv[kv])
 
     @torch.no_grad()
     def step(self) -> None:

@@ -10,6 +10,8 @@ the `fuse_spec_step` pass then inlines them into one flat graph.
   the drafts' exit hidden states, acceptance, bonus token.
 - `PromptLookupStep`: k drafts copied from an earlier n-gram match in the token buffer, verified
   by the whole target in one pass of k+1 positions.
+- `DraftModelStep`: k drafts from a separate draft model advancing in unison with the target
+  (same positions and lengths, its own KV), then its catch-up pass over the last draft.
 
 With `sample=True` a step samples instead of taking the argmax: drafts are drawn from the
 drafter's warped distribution q, and `speculative_accept` (rejection sampling) keeps the
@@ -113,6 +115,52 @@ class PromptLookupStep(nn.Module):
             emitted, n = speculative_accept(drafts, q, p, uniforms, noise[:, self.k])
         else:
             emitted, n = greedy_accept(drafts, logits)
+        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+
+class DraftModelStep(nn.Module):
+    """k drafts from a separate draft model (own KV), target verification of k+1 tokens."""
+
+    def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, num_kv_target: int,
+                 num_kv_draft: int, draft_vocab: int, target_vocab: int, max_pos: int, sample: bool = False):
+        super().__init__()
+        self.draft, self.verify, self.k, self.max_pos, self.sample = draft, verify, k, max_pos, sample
+        self.num_kv_target, self.num_kv_draft = num_kv_target, num_kv_draft
+        # Vocab sizes may differ by padding: drafts come from the shared part only.
+        self.vocab, self.pad = min(draft_vocab, target_vocab), max(0, target_vocab - draft_vocab)
+        self.max_draft_id = draft_vocab - 1
+        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, kv):
+        kv_target = [kv[i] for i in range(self.num_kv_target)]
+        kv_draft = [kv[i] for i in range(self.num_kv_target, self.num_kv_target + self.num_kv_draft)]
+        last = lengths - 1                                            # [B]
+        x = tokens.gather(1, last[:, None])                           # [B, 1]
+        drafts, qs = [], []
+        # k draft passes, then a catch-up pass that writes draft k into the draft's KV cache.
+        for j in range(self.k + 1):
+            pos = (last + j).clamp(max=self.max_pos)[:, None]
+            # A target token past the draft's vocab (padding) must not index out of its embedding.
+            logits = self.draft(x.clamp(max=self.max_draft_id), pos, *kv_draft)[0][:, -1, : self.vocab]
+            if j == self.k:
+                break
+            if self.sample:
+                q = warp(logits, temperature, top_k, top_p)
+                x = race(q, noise[:, j, : self.vocab])[:, None]
+                qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
+            else:
+                x = logits.argmax(-1)[:, None]
+            drafts.append(x)
+        drafts = torch.cat(drafts, 1)                                 # [B, k]
+        ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)
+        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
+        target_logits = self.verify(ids, pos, *kv_target)[0]          # [B, k+1, V]
+        if self.sample:
+            p = warp(target_logits, temperature, top_k, top_p)
+            emitted, n = speculative_accept(drafts, torch.stack(qs, 1), p, uniforms, noise[:, self.k])
+        else:
+            emitted, n = greedy_accept(drafts, target_logits)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 

@@ -10,6 +10,6 @@ Exact: greedy output equals `model.generate(do_sample=False)` token for token.
 __version__ = "0.1.0"
 
 from specfx.api import SpeculativeModel, compile  # noqa: E402
-from specfx.drafters import EarlyExit, NoDraft, PromptLookup, parse_draft  # noqa: E402
+from specfx.drafters import DraftModel, EarlyExit, NoDraft, PromptLookup, parse_draft  # noqa: E402
 
-__all__ = ["EarlyExit", "NoDraft", "PromptLookup", "SpeculativeModel", "compile", "parse_draft", "__version__"]
+__all__ = ["DraftModel", "EarlyExit", "NoDraft", "PromptLookup", "SpeculativeModel", "compile", "parse_draft", "__version__"]

@@ -1,13 +1,14 @@
 """Drafter configurations: validated dataclasses, and the string forms the CLI accepts.
 
 `parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"ngram:3"` -> `PromptLookup(ngram=3)`;
-`"none"` or None -> `NoDraft()`.
+`"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"none"` or None -> `NoDraft()`.
 The transform for each config lives in `specfx.pipeline`, registered by config type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,46 @@ class PromptLookup:
         return f"ngram:{self.ngram}"
 
 
-DrafterConfig = NoDraft | EarlyExit | PromptLookup
+@dataclass(frozen=True, eq=False)
+class DraftModel:
+    """Draft-target speculation with a separate small model sharing the target's tokenizer.
+
+    `model` is an `nn.Module` (a Hugging Face causal LM) or a zoo name / checkpoint directory.
+    """
+
+    model: object
+    name = "draft-model"
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, Path)) and not hasattr(self.model, "config"):
+            raise TypeError("DraftModel(model): expected a Hugging Face causal LM, a zoo name or a path")
+
+    def __str__(self) -> str:
+        if isinstance(self.model, (str, Path)):
+            return f"draft-model:{self.model}"
+        return f"draft-model:{getattr(self.model.config, '_name_or_path', '') or type(self.model).__name__}"
+
+    def load(self, like):
+        """The draft module, on the device and in the dtype of the target `like`."""
+        model = self.model
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            from specfx import zoo
+
+            model = AutoModelForCausalLM.from_pretrained(str(zoo.resolve(str(model))))
+        param = next(like.parameters())
+        return model.to(param.device, param.dtype).eval()
+
+
+DrafterConfig = NoDraft | EarlyExit | PromptLookup | DraftModel
 
 
 def parse_draft(spec) -> DrafterConfig:
     """A drafter config from a config object, a string such as "early-exit:4", or None."""
     if spec is None:
         return NoDraft()
-    if isinstance(spec, (NoDraft, EarlyExit, PromptLookup)):
+    if isinstance(spec, (NoDraft, EarlyExit, PromptLookup, DraftModel)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"draft must be a drafter config or a string, got {type(spec).__name__}")
@@ -78,8 +111,12 @@ def parse_draft(spec) -> DrafterConfig:
         if arg and not arg.lstrip("-").isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")
         return PromptLookup(ngram=int(arg)) if arg else PromptLookup()
+    if name == "draft-model":
+        if not arg:
+            raise ValueError(f"bad draft spec {spec!r}: expected draft-model:<zoo name or checkpoint path>")
+        return DraftModel(arg)
     raise ValueError(f"unknown draft spec {spec!r}; expected one of: none, early-exit, early-exit:<layer>, "
-                     "ngram, ngram:<n>")
+                     "ngram, ngram:<n>, draft-model:<path>")
 
 
 def default_exit_layer(model) -> int:
@@ -99,3 +136,37 @@ def default_exit_layer(model) -> int:
 def default_num_speculative_tokens(model, fallback: int) -> int:
     """k chosen by the sweep for this model (`config.specfx_num_speculative_tokens`), else `fallback`."""
     return int(getattr(model.config, "specfx_num_speculative_tokens", None) or fallback)
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """Refuse a draft whose tokenizer is not the target's (vocab sizes may differ by padding).
+
+    Compares the tokenizers saved with both checkpoints where they can be found, and the
+    special token ids of both configs.
+    """
+    tc, dc = target.config, draft.config
+    for attr in ("bos_token_id", "eos_token_id"):
+        a, b = getattr(tc, attr, None), getattr(dc, attr, None)
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"draft model has a different tokenizer: {attr} is {b} in the draft, {a} in the target")
+    t_tok, d_tok = _tokenizer_of(tc), _tokenizer_of(dc)
+    if t_tok is None or d_tok is None:
+        return
+    t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+    if t_vocab == d_vocab:
+        return
+    t_inv = {i: t for t, i in t_vocab.items()}
+    d_inv = {i: t for t, i in d_vocab.items()}
+    for i in range(min(len(t_inv), len(d_inv))):
+        if t_inv.get(i) != d_inv.get(i):
+            raise ValueError(f"draft model has a different tokenizer: token id {i} is {d_inv.get(i)!r} in the "
+                             f"draft and {t_inv.get(i)!r} in the target; use a draft trained with the target's tokenizer")
+
+
+def _tokenizer_of(config):
+    path = getattr(config, "_name_or_path", "") or ""
+    if not path or not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

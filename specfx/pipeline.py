@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from specfx.capture import StaticDecoder, capture
-from specfx.drafters import EarlyExit, NoDraft, PromptLookup, default_exit_layer
+from specfx.drafters import (DraftModel, EarlyExit, NoDraft, PromptLookup, check_same_tokenizer,
+                             default_exit_layer)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, FindStructure, FuseSpecStep,
                            PassManager, ShareKVBuffers, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import StaticState
-from specfx.runtime.step import DecodeStep, EarlyExitStep, PromptLookupStep, trace_step
+from specfx.runtime.step import DecodeStep, DraftModelStep, EarlyExitStep, PromptLookupStep, trace_step
 
 PREFILL_CHUNK = 64
 
@@ -28,12 +29,21 @@ class HostSyncError(RuntimeError):
 
 
 @dataclass
+class Prefill:
+    """A prefill graph and the slice of the state's KV list it writes."""
+
+    name: str
+    gm: fx.GraphModule               # (input_ids [B, C], positions [B, C], *kv) -> (hidden,)
+    kv: slice
+
+
+@dataclass
 class Graphs:
     """Everything the runtime needs: graphs, state, and how they were built."""
 
-    prefill: fx.GraphModule          # (input_ids [B, C], positions [B, C], *kv) -> (hidden,)
-    step: fx.GraphModule             # (tokens, lengths, max_lens, done, eos, accept_hist, kv) -> ()
-    state: StaticState
+    prefills: list[Prefill]          # the target's first, then a draft model's, if any
+    step: fx.GraphModule | None      # (tokens, lengths, ..., top_p, kv) -> ()
+    state: StaticState | None
     structure: StructureMap
     k: int
     drafter: object
@@ -45,12 +55,45 @@ class Graphs:
     make_step: Callable | None = None  # sample: bool -> step module (before tracing)
     sample_step: fx.GraphModule | None = None
 
+    @property
+    def prefill(self) -> fx.GraphModule:
+        return self.prefills[0].gm
+
     def fused_sample_step(self) -> fx.GraphModule:
         """The sampling variant of the step, built on first use."""
         if self.sample_step is None:
             pm = PassManager(self.records)
             self.sample_step = fuse_step(pm, self.make_step(True), graph="sample_step")
         return self.sample_step
+
+
+@dataclass
+class Captured:
+    """One model captured for the runtime: its structure, KV buffers and prefill graph."""
+
+    structure: StructureMap
+    decoder: StaticDecoder
+    prefill: fx.GraphModule
+    capture: Callable[[int], fx.GraphModule]   # width -> captured graph (not yet rewritten)
+
+    @property
+    def kv(self) -> list:
+        return [t for i in range(self.structure.num_layers) for t in self.decoder.kv(i)]
+
+
+@dataclass
+class BuildContext:
+    """What a drafter's builder gets."""
+
+    graphs: Graphs
+    pm: PassManager
+    target: Captured
+    drafter: object
+    k: int
+    seq_len: int
+    batch_size: int
+    model: object
+    extra_kv: list = field(default_factory=list)   # KV buffers of a draft model, after the target's
 
 
 _BUILDERS: dict[type, Callable] = {}
@@ -61,6 +104,19 @@ def register(config_type: type):
         _BUILDERS[config_type] = fn
         return fn
     return deco
+
+
+def capture_model(pm: PassManager, model, *, name: str, batch_size: int, seq_len: int,
+                  chunk: int) -> Captured:
+    """Capture `model`'s prefill graph (head dropped: prefill only fills the KV cache) and map it."""
+    decoder = StaticDecoder(model, batch_size, seq_len)
+    cap = lambda width: capture(model, width=width, batch_size=batch_size,  # noqa: E731
+                                max_seq_len=seq_len, decoder=decoder).gm
+    gm = cap(chunk)
+    structure = pm.run(FindStructure(), gm, graph=name).info["structure"]
+    gm = pm.run_all([TruncateAtExit(structure, structure.num_layers, keep_head=False), ShareKVBuffers()],
+                    gm, graph=name)
+    return Captured(structure, decoder, gm, cap)
 
 
 def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
@@ -76,23 +132,18 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         raise TypeError(f"no pipeline for drafter {drafter!r}")
     # Room for k+1 slots past the last real token, so a step never writes out of bounds.
     seq_len = max_seq_len + k + 1
-    decoder = StaticDecoder(model, batch_size, seq_len)
     pm = PassManager()
     chunk = min(prefill_chunk, max_seq_len)
-    prefill = capture(model, width=chunk, batch_size=batch_size, max_seq_len=seq_len, decoder=decoder)
-    structure = pm.run(FindStructure(), prefill.gm, graph="prefill").info["structure"]
-    L = structure.num_layers
-    # Prefill only fills the KV cache: drop the head (lm_head over a whole chunk is wasted work).
-    gm = pm.run_all([TruncateAtExit(structure, L, keep_head=False), ShareKVBuffers()], prefill.gm,
-                    graph="prefill")
-    graphs = Graphs(prefill=gm, step=None, state=None, structure=structure, k=k, drafter=drafter,
-                    prefill_chunk=chunk, max_seq_len=max_seq_len)
-    cap = lambda width: capture(model, width=width, batch_size=batch_size,  # noqa: E731
-                                max_seq_len=seq_len, decoder=decoder)
-    graphs.make_step, k_eff = builder(graphs, pm, cap, drafter, k, seq_len)
-    kv = [t for i in range(L) for t in decoder.kv(i)]  # the buffers the graphs were captured with
+    target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk)
+    L = target.structure.num_layers
+    graphs = Graphs(prefills=[Prefill("prefill", target.prefill, slice(0, 2 * L))], step=None, state=None,
+                    structure=target.structure, k=k, drafter=drafter, prefill_chunk=chunk,
+                    max_seq_len=max_seq_len)
+    ctx = BuildContext(graphs, pm, target, drafter, k, seq_len, batch_size, model)
+    graphs.make_step, k_eff = builder(ctx)
+    kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
-                                        vocab_size=structure.vocab_size, kv=kv, device=kv[0].device)
+                                        vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
     graphs.k = k_eff
     graphs.unfused_step = trace_step(graphs.make_step(False))
     graphs.step = fuse_step(pm, graphs.make_step(False), graph="step")
@@ -110,33 +161,49 @@ def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
 
 
 @register(NoDraft)
-def _build_none(graphs: Graphs, pm: PassManager, cap, drafter, k, seq_len):
-    decode = pm.run_all([ShareKVBuffers()], cap(1).gm, graph="decode")
-    graphs.parts["decode"] = decode
-    num_kv = 2 * graphs.structure.num_layers
-    return lambda sample: DecodeStep(decode, num_kv=num_kv, max_pos=seq_len - 1, sample=sample), 0
+def _build_none(ctx: BuildContext):
+    decode = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(1), graph="decode")
+    ctx.graphs.parts["decode"] = decode
+    num_kv = 2 * ctx.target.structure.num_layers
+    return lambda sample: DecodeStep(decode, num_kv=num_kv, max_pos=ctx.seq_len - 1, sample=sample), 0
 
 
 @register(EarlyExit)
-def _build_early_exit(graphs: Graphs, pm: PassManager, cap, drafter: EarlyExit, k, seq_len):
-    s = graphs.structure
-    E = drafter.layer
+def _build_early_exit(ctx: BuildContext):
+    s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
-    draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), ShareKVBuffers()], cap(1).gm,
+    draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), ShareKVBuffers()], ctx.target.capture(1),
                        graph="draft")
-    verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], cap(k + 1).gm, graph="verify")
-    graphs.parts.update(draft=draft, verify=verify)
+    verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
+    ctx.graphs.parts.update(draft=draft, verify=verify)
     return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
-                                        max_pos=seq_len - 1, sample=sample), k
+                                        max_pos=ctx.seq_len - 1, sample=sample), k
 
 
 @register(PromptLookup)
-def _build_prompt_lookup(graphs: Graphs, pm: PassManager, cap, drafter: PromptLookup, k, seq_len):
-    verify = pm.run_all([ShareKVBuffers()], cap(k + 1).gm, graph="verify")
-    graphs.parts["verify"] = verify
-    num_kv = 2 * graphs.structure.num_layers
-    return lambda sample: PromptLookupStep(verify, k=k, ngram=drafter.ngram, num_kv=num_kv,
-                                           max_pos=seq_len - 1, sample=sample), k
+def _build_prompt_lookup(ctx: BuildContext):
+    verify = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(ctx.k + 1), graph="verify")
+    ctx.graphs.parts["verify"] = verify
+    num_kv = 2 * ctx.target.structure.num_layers
+    return lambda sample: PromptLookupStep(verify, k=ctx.k, ngram=ctx.drafter.ngram, num_kv=num_kv,
+                                           max_pos=ctx.seq_len - 1, sample=sample), ctx.k
+
+
+@register(DraftModel)
+def _build_draft_model(ctx: BuildContext):
+    draft_model = ctx.drafter.load(like=ctx.model)
+    check_same_tokenizer(ctx.model, draft_model)
+    d = capture_model(ctx.pm, draft_model, name="draft_prefill", batch_size=ctx.batch_size,
+                      seq_len=ctx.seq_len, chunk=ctx.graphs.prefill_chunk)
+    draft = ctx.pm.run_all([ShareKVBuffers()], d.capture(1), graph="draft")
+    verify = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(ctx.k + 1), graph="verify")
+    nt, nd = 2 * ctx.target.structure.num_layers, 2 * d.structure.num_layers
+    ctx.graphs.prefills.append(Prefill("draft_prefill", d.prefill, slice(nt, nt + nd)))
+    ctx.extra_kv.extend(d.kv)
+    ctx.graphs.parts.update(draft=draft, verify=verify)
+    return lambda sample: DraftModelStep(
+        draft, verify, k=ctx.k, num_kv_target=nt, num_kv_draft=nd, draft_vocab=d.structure.vocab_size,
+        target_vocab=ctx.target.structure.vocab_size, max_pos=ctx.seq_len - 1, sample=sample), ctx.k
 
 
 def resolve_drafter(model, drafter):

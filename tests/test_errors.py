@@ -58,3 +58,43 @@ def test_non_layerskip_model_runs_and_reports_low_acceptance(model):
 def test_ngram_below_one(model, spec):
     with pytest.raises(ValueError, match="ngram must be an int >= 1"):
         specfx.compile(model, draft=spec, backend="eager")
+
+
+def _checkpoint(path, tokenizer, **config):
+    m = tiny_model("llama", layers=2, vocab=len(tokenizer), **config)
+    m.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path))
+
+
+def test_draft_model_with_a_different_tokenizer_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specfx import zoo
+    from specfx.zoo.tokenizer import train_tokenizer
+
+    ours = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
+    other = train_tokenizer(["SELECT * FROM t WHERE x = 1;"] * 50 + ["fn main() { }"] * 50, vocab_size=len(ours))
+    target = _checkpoint(tmp_path / "target", ours)
+    draft = _checkpoint(tmp_path / "draft", other)
+    with pytest.raises(ValueError, match="different tokenizer: token id"):
+        specfx.compile(target, draft=specfx.DraftModel(draft), backend="eager")
+    # A draft with the same tokenizer is accepted, by object or by path.
+    same = _checkpoint(tmp_path / "same", ours)
+    specfx.compile(target, draft=specfx.DraftModel(same), max_seq_len=32, backend="eager")
+    specfx.compile(target, draft=f"draft-model:{tmp_path / 'same'}", max_seq_len=32, backend="eager")
+
+
+def test_draft_model_with_other_special_tokens_is_refused(model):
+    draft = tiny_model("llama", layers=2, eos_token_id=5)
+    with pytest.raises(ValueError, match="eos_token_id is 5 in the draft, 2 in the target"):
+        specfx.compile(model, draft=specfx.DraftModel(draft), backend="eager")
+
+
+def test_draft_model_spec_needs_a_model():
+    with pytest.raises(ValueError, match="draft-model:<zoo name or checkpoint path>"):
+        specfx.parse_draft("draft-model")
+    with pytest.raises(TypeError, match="DraftModel"):
+        specfx.DraftModel(3)

@@ -106,3 +106,25 @@ def test_decorator_form():
     assert isinstance(fast, specfx.SpeculativeModel)
     ids = torch.randint(3, 96, (1, 4))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=8, eos_token_id=[]), hf_greedy(model, ids, 8), 4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("draft_vocab", [96, 128, 90])   # equal, padded larger, smaller
+def test_draft_model_greedy_equals_model_generate(arch, draft_vocab):
+    model = tiny_model(arch, layers=4, seed=21)
+    draft = tiny_model(arch, layers=2, vocab=draft_vocab, seed=22)
+    fast = specfx.compile(model, draft=specfx.DraftModel(draft), num_speculative_tokens=3, max_seq_len=96,
+                          backend="eager")
+    for prompt_len in (1, 70):
+        ids = torch.randint(3, 90, (1, prompt_len))
+        ours = fast.generate(ids, max_new_tokens=20, eos_token_id=[])
+        assert_greedy_equal(model, ours, hf_greedy(model, ids, 20), prompt_len)
+
+
+def test_draft_model_identical_to_target_accepts_everything():
+    model = tiny_model("qwen2", layers=3, seed=5)
+    fast = specfx.compile(model, draft=specfx.DraftModel(tiny_model("qwen2", layers=3, seed=5)),
+                          num_speculative_tokens=4, max_seq_len=64, backend="eager")
+    ids = torch.randint(3, 96, (1, 6))
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=25, eos_token_id=[]), hf_greedy(model, ids, 25), 6)
+    assert fast.last_stats.acceptance_by_position == [1.0] * 4
