@@ -95,16 +95,53 @@ def _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling=None):
     return out[0, ids.shape[1]:].tolist(), t1 - t0, fast.last_stats.ttft_s, fast.last_stats
 
 
-def parse_method(method: str, default_exit: int) -> tuple[str, int | None]:
-    """("hf-early-exit", 4) from "hf-early-exit:4"; the exit layer defaults to the model's."""
+# method -> (what its argument means, the default argument); None: takes no argument.
+METHODS = {
+    "hf-greedy": None, "hf-sample": None,
+    "hf-early-exit": "exit layer (default: the model's)",
+    "hf-assisted": "draft checkpoint (default: pycoder-draft)",
+    "hf-prompt-lookup": "prompt_lookup_num_tokens (default: k)",
+    "specfx:none": None,
+    "specfx:early-exit": "exit layer (default: the model's)",
+    "specfx:draft-model": "draft checkpoint (default: pycoder-draft)",
+    "specfx:ngram": "n-gram size (default: 3)",
+}
+DEFAULT_DRAFT = "pycoder-draft"
+
+
+def parse_method(method: str, default_exit: int, k: int) -> tuple[str, str | None]:
+    """(base, argument) with defaults filled: "specfx:ngram" -> ("specfx:ngram", "3")."""
     prefix = SPECFX_PREFIX if method.startswith(SPECFX_PREFIX) else ""
     name, _, arg = method[len(prefix):].partition(":")
     base = prefix + name
-    if base not in HF_METHODS + ("specfx:none", "specfx:early-exit") or (arg and not arg.isdigit()):
-        raise ValueError(f"unknown method {method!r}; expected hf-greedy, hf-sample, hf-early-exit[:E], "
-                         "specfx:none, specfx:early-exit[:E]")
-    layer = int(arg) if arg else (default_exit if "early-exit" in base else None)
-    return base, layer
+    if base not in METHODS or (arg and METHODS[base] is None):
+        raise ValueError(f"unknown method {method!r}; expected one of: "
+                         + ", ".join(m + (f"[:{METHODS[m].split(' (')[0].replace(' ', '_')}]" if METHODS[m] else "")
+                                     for m in METHODS))
+    if not arg and METHODS[base]:
+        arg = {"hf-early-exit": str(default_exit), "specfx:early-exit": str(default_exit),
+               "hf-assisted": DEFAULT_DRAFT, "specfx:draft-model": DEFAULT_DRAFT,
+               "hf-prompt-lookup": str(k), "specfx:ngram": "3"}[base]
+    if base in ("hf-early-exit", "specfx:early-exit", "hf-prompt-lookup", "specfx:ngram") and not arg.isdigit():
+        raise ValueError(f"method {method!r}: expected a number after ':'")
+    return base, arg or None
+
+
+def _hf_kwargs(base: str, arg: str | None, model) -> dict:
+    """generate() arguments of a transformers baseline."""
+    if base == "hf-early-exit":
+        return {"assistant_early_exit": int(arg)}
+    if base == "hf-prompt-lookup":
+        return {"prompt_lookup_num_tokens": int(arg)}
+    if base == "hf-assisted":
+        from transformers import AutoModelForCausalLM
+
+        from specfx import zoo
+
+        param = next(model.parameters())
+        assistant = AutoModelForCausalLM.from_pretrained(str(zoo.resolve(arg)), dtype=param.dtype)
+        return {"assistant_model": assistant.to(param.device).eval()}
+    return {}
 
 
 def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model_name: str,
@@ -123,6 +160,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     max_seq_len = -(-(longest + max_new_tokens) // 64) * 64
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     default_exit = default_exit_layer(model)
+    k = k or getattr(model.config, "specfx_num_speculative_tokens", None)
     settings = dict(prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
                     greedy=sampling is None, sampling=sampling, backend=backend, max_seq_len=max_seq_len,
                     threads=torch.get_num_threads())
@@ -136,11 +174,11 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
 
     for method in methods:
-        base, layer = parse_method(method, default_exit)
-        name = f"{base}:{layer}" if layer is not None else base
+        base, arg = parse_method(method, default_exit, k or 4)
+        name = f"{base}:{arg}" if arg is not None else base
         compile_s, fast, config = None, None, ""
         if base.startswith(SPECFX_PREFIX):
-            draft = "none" if base == "specfx:none" else f"early-exit:{layer}"
+            draft = name[len(SPECFX_PREFIX):]
             log(f"[bench] {name}: compiling ({backend})")
             fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
                                   backend=backend)
@@ -150,7 +188,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         else:
             if (base == "hf-sample") != (sampling is not None):
                 raise ValueError("hf-sample is the sampling baseline: use it with --sample (and hf-greedy without)")
-            kw = {"assistant_early_exit": layer} if base == "hf-early-exit" else {}
+            kw = _hf_kwargs(base, arg, model)
             gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw)  # noqa: E731
         log(f"[bench] {name}: warm-up, then {repeats} x {len(prompts)} prompts")
         for ids in encoded[:warmup]:

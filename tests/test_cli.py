@@ -117,3 +117,17 @@ def test_bench_sampling_mode(checkpoint, tmp_path):
     assert all(r["exact_match"] is None for r in data["runs"])
     assert data["runs"][0]["speedup_vs_hf_greedy"] == 1.0
     assert data["settings"]["sampling"]["temperature"] == 0.7
+
+
+def test_bench_other_drafters_and_their_transformers_baselines(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(checkpoint), "--task", "editing", "--methods",
+               "hf-greedy,hf-prompt-lookup,hf-assisted,specfx:ngram:2,specfx:draft-model",
+               "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
+               "--backend", "eager", "-k", "3", "--json", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["name"] for r in runs] == ["hf-greedy", "hf-prompt-lookup:3", "hf-assisted:pycoder-draft",
+                                         "specfx:ngram:2", "specfx:draft-model:pycoder-draft"]
+    assert all(r["exact_match"] == 1.0 for r in runs)
+    assert len(runs[-1]["acceptance_by_position"]) == 3

@@ -73,9 +73,10 @@ def test_tokenizer_round_trips_source_text():
     assert tok.decode(tok(weird, add_special_tokens=False)["input_ids"]) == weird
 
 
-def test_prompts_are_fixed_and_sized():
+@pytest.mark.parametrize("task", zoo.TASKS)
+def test_prompts_are_fixed_and_sized(task):
     tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder")))
-    prompts = zoo.prompts("completion")
+    prompts = zoo.prompts(task)
     assert len(prompts) >= 64
     for p in prompts:
         assert 20 <= len(tok(p, add_special_tokens=False)["input_ids"]) <= 200
@@ -114,3 +115,10 @@ def test_training_loop_lowers_the_loss(kind):
     curve = train(model, stream, cfg, progress=False)
     first, last = curve[0]["ce"], sum(r["ce"] for r in curve[-5:]) / 5
     assert last < first - 1.0
+
+
+def test_editing_prompts_repeat_a_heldout_function():
+    for p in zoo.prompts("editing")[:10]:
+        original, _, rewrite = p.partition("# The same function, rewritten with type hints:\n")
+        name = rewrite.removeprefix("def ").rstrip("(")
+        assert f"def {name}(" in original

@@ -11,6 +11,8 @@ EPILOG = """examples:
   specfx bench ./my-hf-checkpoint --methods hf-greedy,specfx:early-exit:4 -k 3
   specfx bench pycoder --sweep-exit
   specfx bench pycoder --sample --temperature 0.7
+  specfx bench pycoder --task editing --methods hf-greedy,hf-prompt-lookup,specfx:none,specfx:ngram:3
+  specfx bench pycoder --methods hf-greedy,hf-assisted,specfx:draft-model
 """
 
 DEFAULT_METHODS = "hf-greedy,hf-early-exit,specfx:none,specfx:early-exit"
@@ -25,6 +27,8 @@ def add_parser(sub):
                    help=f"comma-separated methods (default: {DEFAULT_METHODS}, or with --sample "
                         f"{DEFAULT_SAMPLE_METHODS}); ':E' picks an exit layer")
     p.add_argument("--prompts", default=None, help="JSONL file of {\"prompt\": ...} (default: the zoo's evaluation set)")
+    p.add_argument("--task", choices=["completion", "editing"], default="completion",
+                   help="zoo prompt set: completion, or editing (the answer repeats the prompt)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (median kept)")
@@ -56,7 +60,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, path = load_model(args.model)
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = load_prompts(args.prompts, args.num_prompts, args.task)
     if args.sweep_exit:
         from specfx.sweep import render_sweep, save_default, sweep_exit
 

@@ -18,12 +18,12 @@ def load_model(name_or_path: str):
     return model, AutoTokenizer.from_pretrained(str(path)), path
 
 
-def load_prompts(file: str | None, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file, or the zoo's evaluation set."""
+def load_prompts(file: str | None, limit: int | None = None, task: str = "completion") -> list[str]:
+    """Prompts from a JSONL file, or the zoo's evaluation set of `task`."""
     from specfx import zoo
 
     if file is None:
-        prompts = zoo.prompts("completion")
+        prompts = zoo.prompts(task)
     else:
         prompts = [json.loads(line)["prompt"] for line in Path(file).read_text().splitlines() if line.strip()]
     if not prompts:

@@ -9,6 +9,7 @@ EPILOG = """examples:
   specfx train layerskip --out specfx/zoo/pycoder --steps 1200 --threads 2
   specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500 --threads 1
   specfx train prompts --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pycode.jsonl
+  specfx train prompts --task editing --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pyedit.jsonl
 """
 
 
@@ -22,7 +23,9 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output directory (HF checkpoint), or the .jsonl for prompts")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
-    p.add_argument("--steps", type=int, default=1300, help="optimizer steps")
+    p.add_argument("--task", choices=["completion", "editing"], default="completion",
+                   help="prompts only: which evaluation set to cut")
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -46,7 +49,7 @@ def run(args) -> int:
 
         if not args.tokenizer:
             raise ValueError("specfx train prompts needs --tokenizer DIR")
-        n = write_prompts(AutoTokenizer.from_pretrained(args.tokenizer), args.out)
+        n = write_prompts(AutoTokenizer.from_pretrained(args.tokenizer), args.out, task=args.task)
         Console().print(f"wrote {n} prompts to {args.out}")
         return 0
     info = build(

@@ -48,9 +48,12 @@ def info(name: str) -> dict:
     return json.loads((path(name) / "specfx_train.json").read_text())
 
 
+TASKS = ("completion", "editing")
+
+
 def prompts(task: str = "completion") -> list[str]:
     """The evaluation prompts of `task` (a file `prompts/<file>.jsonl`)."""
-    files = {"completion": "pycode.jsonl"}
+    files = {"completion": "pycode.jsonl", "editing": "pyedit.jsonl"}
     if task not in files:
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(files)}")
     lines = (PROMPTS_DIR / files[task]).read_text().splitlines()
