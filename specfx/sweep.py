@@ -36,24 +36,18 @@ class SweepResult:
 
 def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, num_prompts: int = 8,
                ks=KS, backend: str = "inductor", log=print) -> SweepResult:
-    import specfx
-
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
     max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
     L = model.config.num_hidden_layers
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, ks=list(ks),
                                        backend=backend, max_seq_len=max_seq_len))
-    base = specfx.compile(model, draft="none", max_seq_len=max_seq_len, backend=backend, warmup=False)
-    base.generate(encoded[0], max_new_tokens=4)
+    base = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
     result.decode_ms = base.profile()[1] * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
     for E in range(1, L):
         acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len)
         for k in ks:
-            fast = specfx.compile(model, draft=f"early-exit:{E}", num_speculative_tokens=k,
-                                  max_seq_len=max_seq_len, backend=backend, warmup=False)
-            fast.generate(encoded[0], max_new_tokens=4)
-            draft_s, verify_s = fast.profile()
+            draft_s, verify_s = _profiled(model, f"early-exit:{E}", k, encoded[0], max_seq_len, backend).profile()
             tokens = 1 + sum(acc[:k])
             step_ms = (draft_s + verify_s) * 1e3
             row = dict(exit_layer=E, k=k, tokens_per_step=round(tokens, 3),
@@ -66,6 +60,18 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
                 f"predicted {row['predicted_speedup']:.2f}x vs plain decoding")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
     return result
+
+
+def _profiled(model, draft, k, prompt, max_seq_len, backend):
+    """A model ready for `profile()`: built and run eagerly (the fused step is not compiled),
+    with `backend` used for the draft and verify graphs that `profile()` compiles and times."""
+    import specfx
+
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
+                          backend="eager")
+    fast.generate(prompt, max_new_tokens=4)
+    fast.runtime.backend = backend
+    return fast
 
 
 def _acceptance(model, E, k, encoded, max_new_tokens, max_seq_len) -> list[float]:
