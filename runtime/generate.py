@@ -168,30 +168,31 @@ class Runtime:
 
     @torch.no_grad()
     def profile(self, repeats: int = 20) -> tuple[float, float]:
-        """Median seconds per step spent drafting and verifying, each graph compiled alone."""
-        st, parts, k = self.state, self.graphs.parts, self.graphs.k
-        B = st.batch_size
-        last = (st.lengths - 1).clamp(min=0)[:, None]
-        if "decode" in parts:
-            decode = compile_graph(parts["decode"], self.backend)
-            self.draft_s = 0.0
-            self.verify_s = _median_time(lambda: decode(st.tokens.gather(1, last), last, *st.kv),
-                                         repeats, self.device)
-            return self.draft_s, self.verify_s
-        draft = compile_graph(parts["draft"], self.backend)
-        verify = compile_graph(parts["verify"], self.backend)
-        n_draft = _num_kv(parts["draft"])
+        """Median seconds per step spent drafting and verifying, each graph compiled alone.
+
+        Drafting is k+1 calls of the draft graph (k drafts and the pass that writes the last
+        one's KV); prompt lookup has no draft graph (its n-gram match is a few tensor ops).
+        Verifying is one call of the verify graph (or, without a drafter, the decode graph).
+        """
+        st, g, k = self.state, self.graphs, self.graphs.k
+        last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
         x = st.tokens.gather(1, last)
-        one = _median_time(lambda: draft(x, last, *st.kv[:n_draft]), repeats, self.device)
-        hidden = draft(x, last, *st.kv[:n_draft])[1].expand(B, k + 1, -1).contiguous()
-        pos = (last + torch.arange(k + 1, device=self.device)).clamp(max=st.seq_len - 1)
-        self.verify_s = _median_time(lambda: verify(hidden, pos, *st.kv[n_draft:]), repeats, self.device)
-        self.draft_s = one * (k + 1)  # k drafts + the pass that gives draft k its exit state
+        self.draft_s, draft_out = 0.0, None
+        if "draft" in g.parts:
+            draft, kv = compile_graph(g.parts["draft"], self.backend), st.kv[g.kv_slices["draft"]]
+            self.draft_s = _median_time(lambda: draft(x, last, *kv), repeats, self.device) * (k + 1)
+            draft_out = draft(x, last, *kv)
+        name = "verify" if "verify" in g.parts else "decode"
+        verify, kv = compile_graph(g.parts[name], self.backend), st.kv[g.kv_slices[name]]
+        width = k + 1 if name == "verify" else 1
+        pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
+        first_input = next(n.name for n in g.parts[name].graph.nodes if n.op == "placeholder")
+        if first_input == "exit_hidden":                              # early exit: hidden states in
+            inputs = draft_out[1].expand(-1, width, -1).contiguous()
+        else:
+            inputs = x.expand(-1, width).contiguous()
+        self.verify_s = _median_time(lambda: verify(inputs, pos, *kv), repeats, self.device)
         return self.draft_s, self.verify_s
-
-
-def _num_kv(gm: fx.GraphModule) -> int:
-    return len(gm.meta.get("kv_inputs", []))
 
 
 def _median_time(fn, repeats: int, device) -> float:

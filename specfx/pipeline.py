@@ -50,6 +50,7 @@ class Graphs:
     prefill_chunk: int
     max_seq_len: int
     parts: dict[str, fx.GraphModule] = field(default_factory=dict)  # draft / verify / decode
+    kv_slices: dict[str, slice] = field(default_factory=dict)        # part -> its slice of state.kv
     unfused_step: fx.GraphModule | None = None
     records: list = field(default_factory=list)
     make_step: Callable | None = None  # sample: bool -> step module (before tracing)
@@ -165,6 +166,7 @@ def _build_none(ctx: BuildContext):
     decode = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(1), graph="decode")
     ctx.graphs.parts["decode"] = decode
     num_kv = 2 * ctx.target.structure.num_layers
+    ctx.graphs.kv_slices["decode"] = slice(0, num_kv)
     return lambda sample: DecodeStep(decode, num_kv=num_kv, max_pos=ctx.seq_len - 1, sample=sample), 0
 
 
@@ -176,6 +178,7 @@ def _build_early_exit(ctx: BuildContext):
                        graph="draft")
     verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
     ctx.graphs.parts.update(draft=draft, verify=verify)
+    ctx.graphs.kv_slices.update(draft=slice(0, 2 * E), verify=slice(2 * E, 2 * s.num_layers))
     return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
                                         max_pos=ctx.seq_len - 1, sample=sample), k
 
@@ -185,6 +188,7 @@ def _build_prompt_lookup(ctx: BuildContext):
     verify = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(ctx.k + 1), graph="verify")
     ctx.graphs.parts["verify"] = verify
     num_kv = 2 * ctx.target.structure.num_layers
+    ctx.graphs.kv_slices["verify"] = slice(0, num_kv)
     return lambda sample: PromptLookupStep(verify, k=ctx.k, ngram=ctx.drafter.ngram, num_kv=num_kv,
                                            max_pos=ctx.seq_len - 1, sample=sample), ctx.k
 
@@ -201,6 +205,7 @@ def _build_draft_model(ctx: BuildContext):
     ctx.graphs.prefills.append(Prefill("draft_prefill", d.prefill, slice(nt, nt + nd)))
     ctx.extra_kv.extend(d.kv)
     ctx.graphs.parts.update(draft=draft, verify=verify)
+    ctx.graphs.kv_slices.update(draft=slice(nt, nt + nd), verify=slice(0, nt))
     return lambda sample: DraftModelStep(
         draft, verify, k=ctx.k, num_kv_target=nt, num_kv_draft=nd, draft_vocab=d.structure.vocab_size,
         target_vocab=ctx.target.structure.vocab_size, max_pos=ctx.seq_len - 1, sample=sample), ctx.k

