@@ -37,7 +37,7 @@ def main(num_prompts: int = 6, max_new_tokens: int = 64) -> None:
     ids = tok(prompt, return_tensors="pt").input_ids
     fast.generate(ids, max_new_tokens=max_new_tokens, streamer=TextStreamer(tok, skip_prompt=True))
     print()
-    out.print(fast.last_stats)
+    out.print(str(fast.last_stats), markup=False)
     torch._dynamo.reset()
 
 
