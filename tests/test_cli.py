@@ -60,18 +60,20 @@ def test_generate_streams_and_prints_stats(checkpoint, capsys):
 
 
 def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
-    from specfx.sweep import save_default, sweep_exit
+    import shutil
 
     from specfx.cli.common import load_model
+    from specfx.sweep import save_default, sweep_exit
 
-    model, tok, path = load_model(str(checkpoint))
+    path = shutil.copytree(checkpoint, tmp_path / "copy")   # save_default edits config.json
+    model, tok, path = load_model(str(path))
     result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1, 2),
                         backend="eager", log=lambda m: None)
     assert len(result.rows) == 3 * 2
     assert result.best in result.rows
     assert all(r["step_ms"] > 0 and 1 <= r["tokens_per_step"] <= r["k"] + 1 for r in result.rows)
     save_default(path, result.best)
-    model2, _, _ = load_model(str(checkpoint))
+    model2, _, _ = load_model(str(path))
     import specfx
 
     fast = specfx.compile(model2, draft="early-exit", max_seq_len=32, backend="eager")
