@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from specfx.passes.infra import Pass, PassResult
+
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 
@@ -186,8 +188,6 @@ def _first_module(head: list[fx.Node], exclude: str) -> str | None:
             return paths[-1]
     return None
 
-
-from specfx.passes.infra import Pass, PassResult  # noqa: E402  (infra has no dependency on this module)
 
 
 class FindStructure(Pass):

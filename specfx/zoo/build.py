@@ -48,7 +48,7 @@ def evaluate(model, stream: torch.Tensor, *, max_tokens: int = 65536, teacher=No
             logits = exit_logits(model, hs[l])[0]
             loss[l] += F.cross_entropy(logits, y[i], reduction="sum")
             correct[l] += (logits.argmax(-1) == y[i]).sum()
-        if teacher is not None:
+        if teacher is not None:  # `logits` is the last layer's here
             agree += (teacher(x[i : i + 1]).logits[0].argmax(-1) == logits.argmax(-1)).sum().item()
     result = {
         "tokens": n,
