@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ CASES = ([("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (1, 4), (2
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("draft,k", CASES)
 def test_greedy_equals_model_generate(arch, draft, k):
-    model = tiny_model(arch, layers=4, seed=hash((arch, draft, k)) % 1000)
+    model = tiny_model(arch, layers=4, seed=zlib.crc32(f"{arch}/{draft}/{k}".encode()) % 1000)  # stable seed
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=96, backend="eager")
     g = torch.Generator().manual_seed(k)
     for prompt_len in (1, 7, 70):  # 70 > one prefill chunk of 64
