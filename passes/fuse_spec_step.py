@@ -56,10 +56,3 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
     if call.users:
         raise ValueError(f"{call.target}: result used other than by indexing ({list(call.users)})")
     gm.graph.erase_node(call)
-
-
-def count_calls(gm: fx.GraphModule) -> int:
-    """call_module nodes into captured graphs (0 once fused)."""
-    return sum(1 for n in gm.graph.nodes if n.op == "call_module")
-
-

@@ -36,8 +36,3 @@ class ShareKVBuffers(Pass):
             cursor = ph
         gm.meta["kv_inputs"] = names
         return PassResult(finish(gm), True, info={"kv_inputs": names})
-
-
-def kv_layers(names: list[str]) -> list[int]:
-    """Layer index of each KV input name."""
-    return [int(_KV.match(n).group(2)) for n in names]
