@@ -94,7 +94,7 @@ def parse_draft(spec) -> DrafterConfig:
     """A drafter config from a config object, a string such as "early-exit:4", or None."""
     if spec is None:
         return NoDraft()
-    if isinstance(spec, (NoDraft, EarlyExit, PromptLookup, DraftModel)):
+    if isinstance(spec, DrafterConfig):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"draft must be a drafter config or a string, got {type(spec).__name__}")
