@@ -101,10 +101,12 @@ def throughput(model, prompts, *, exit_layer: int, k: int, max_new_tokens: int, 
     model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     hf = lambda ids: model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,  # noqa: E731
                                     eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out["hf_static_compile"] = _tokens_per_s(hf, prompts, max_new_tokens)
-    model.forward = model.forward._torchdynamo_orig_callable
-    model.generation_config.cache_implementation = None
+    try:
+        with torch.no_grad():
+            out["hf_static_compile"] = _tokens_per_s(hf, prompts, max_new_tokens)
+    finally:
+        del model.forward                      # back to the class's own forward
+        model.generation_config.cache_implementation = None
     for name, draft, graphs in [("specfx_none_cudagraph", "none", True),
                                 ("specfx_early_exit_cudagraph", f"early-exit:{exit_layer}", True),
                                 ("specfx_early_exit_no_cudagraph", f"early-exit:{exit_layer}", False)]:
