@@ -28,6 +28,21 @@ from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
 
 
+def _propose(logits, sample: bool, noise, warping):
+    """Next token [B, 1] from logits [B, V]: argmax, or a draw from warp(logits) (also returned)."""
+    if not sample:
+        return logits.argmax(-1)[:, None], None
+    q = warp(logits, *warping)
+    return race(q, noise)[:, None], q
+
+
+def _accept(sample: bool, drafts, q, target_logits, uniforms, noise, warping):
+    """(emitted, n): greedy acceptance, or rejection sampling against warp(target_logits)."""
+    if not sample:
+        return greedy_accept(drafts, target_logits)
+    return speculative_accept(drafts, q, warp(target_logits, *warping), uniforms, noise)
+
+
 class DecodeStep(nn.Module):
     """No draft: the target decodes the pending token and appends its argmax."""
 
@@ -42,15 +57,12 @@ class DecodeStep(nn.Module):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
         logits = self.target(x, last[:, None], *[kv[i] for i in range(self.num_kv)])[0]
-        if self.sample:
-            emitted = race(warp(logits[:, -1], temperature, top_k, top_p), noise[:, 0])[:, None]
-        else:
-            emitted = logits.argmax(-1)                               # [B, 1]
+        emitted = _propose(logits[:, -1], self.sample, noise[:, 0], (temperature, top_k, top_p))[0]
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
 
 
 class EarlyExitStep(nn.Module):
-    """k early-exit drafts + verification by the remaining layers + greedy acceptance."""
+    """k early-exit drafts + verification by the remaining layers + acceptance."""
 
     def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, exit_layer: int,
                  num_layers: int, max_pos: int, sample: bool = False):
@@ -67,6 +79,7 @@ class EarlyExitStep(nn.Module):
         kv_verify = [kv[i] for i in range(split, 2 * self.num_layers)]
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
+        warping = (temperature, top_k, top_p)
         hidden, drafts, qs = [], [], []
         # k+1 draft passes: the last one only computes the exit hidden state of draft k.
         for j in range(self.k + 1):
@@ -74,21 +87,13 @@ class EarlyExitStep(nn.Module):
             out = self.draft(x, pos, *kv_draft)
             hidden.append(out[1])                                     # [B, 1, H]
             if j < self.k:
-                if self.sample:
-                    q = warp(out[0][:, -1], temperature, top_k, top_p)  # [B, V]
-                    x = race(q, noise[:, j])[:, None]
-                    qs.append(q)
-                else:
-                    x = out[0].argmax(-1)                             # [B, 1]
+                x, q = _propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
                 drafts.append(x)
+                qs.append(q)
         pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
         target_logits = self.verify(torch.cat(hidden, 1), pos, *kv_verify)[0]
-        if self.sample:
-            p = warp(target_logits, temperature, top_k, top_p)        # [B, k+1, V]
-            emitted, n = speculative_accept(torch.cat(drafts, 1), torch.stack(qs, 1), p,
-                                            uniforms, noise[:, self.k])
-        else:
-            emitted, n = greedy_accept(torch.cat(drafts, 1), target_logits)
+        emitted, n = _accept(self.sample, torch.cat(drafts, 1), torch.stack(qs, 1) if self.sample else None,
+                             target_logits, uniforms, noise[:, self.k], warping)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 
@@ -109,12 +114,11 @@ class PromptLookupStep(nn.Module):
         x = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)   # [B, k+1]
         pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
         logits = self.target(x, pos, *[kv[i] for i in range(self.num_kv)])[0]   # [B, k+1, V]
-        if self.sample:
-            p = warp(logits, temperature, top_k, top_p)
-            q = (drafts[..., None] == torch.arange(p.shape[-1], device=p.device)).float()  # one-hot
-            emitted, n = speculative_accept(drafts, q, p, uniforms, noise[:, self.k])
-        else:
-            emitted, n = greedy_accept(drafts, logits)
+        # Deterministic drafts: q is one-hot.
+        q = (drafts[..., None] == torch.arange(logits.shape[-1], device=logits.device)).float() \
+            if self.sample else None
+        emitted, n = _accept(self.sample, drafts, q, logits, uniforms, noise[:, self.k],
+                             (temperature, top_k, top_p))
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 
@@ -137,6 +141,7 @@ class DraftModelStep(nn.Module):
         kv_draft = [kv[i] for i in range(self.num_kv_target, self.num_kv_target + self.num_kv_draft)]
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
+        warping = (temperature, top_k, top_p)
         drafts, qs = [], []
         # k draft passes, then a catch-up pass that writes draft k into the draft's KV cache.
         for j in range(self.k + 1):
@@ -145,22 +150,16 @@ class DraftModelStep(nn.Module):
             logits = self.draft(x.clamp(max=self.max_draft_id), pos, *kv_draft)[0][:, -1, : self.vocab]
             if j == self.k:
                 break
-            if self.sample:
-                q = warp(logits, temperature, top_k, top_p)
-                x = race(q, noise[:, j, : self.vocab])[:, None]
-                qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
-            else:
-                x = logits.argmax(-1)[:, None]
+            x, q = _propose(logits, self.sample, noise[:, j, : self.vocab], warping)
             drafts.append(x)
+            if self.sample:
+                qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
         ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)
         pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
         target_logits = self.verify(ids, pos, *kv_target)[0]          # [B, k+1, V]
-        if self.sample:
-            p = warp(target_logits, temperature, top_k, top_p)
-            emitted, n = speculative_accept(drafts, torch.stack(qs, 1), p, uniforms, noise[:, self.k])
-        else:
-            emitted, n = greedy_accept(drafts, target_logits)
+        emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
+                             target_logits, uniforms, noise[:, self.k], warping)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 
