@@ -132,7 +132,11 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
 def _sampling(model, temperature, top_k, top_p, seed) -> dict:
     """Sampling settings, unset ones taken from the model's generation_config like transformers."""
     gen = getattr(model, "generation_config", None)
-    pick = lambda v, name, default: v if v is not None else (getattr(gen, name, None) if getattr(gen, name, None) is not None else default)  # noqa: E731
+
+    def pick(value, name, default):
+        configured = getattr(gen, name, None)
+        return value if value is not None else (default if configured is None else configured)
+
     return dict(temperature=float(pick(temperature, "temperature", 1.0)), top_k=int(pick(top_k, "top_k", 0) or 0),
                 top_p=float(pick(top_p, "top_p", 1.0)), seed=seed)
 
