@@ -5,6 +5,7 @@ name to its class; `specfx passes` lists them.
 """
 
 from specfx.passes.attach_early_exit import AttachEarlyExit, check_exit_layer
+from specfx.passes.attach_mtp_head import AttachMTPHead
 from specfx.passes.check_no_host_sync import CheckNoHostSync, find_host_syncs
 from specfx.passes.cut_at_exit import CutAtExit
 from specfx.passes.find_structure import FindStructure, StructureError, StructureMap, find_structure
@@ -14,7 +15,7 @@ from specfx.passes.share_kv_buffers import ShareKVBuffers
 from specfx.passes.truncate_at_exit import TruncateAtExit
 
 __all__ = [
-    "AttachEarlyExit", "CheckNoHostSync", "CutAtExit", "FindStructure", "FuseSpecStep", "Pass", "PassError",
+    "AttachEarlyExit", "AttachMTPHead", "CheckNoHostSync", "CutAtExit", "FindStructure", "FuseSpecStep", "Pass", "PassError",
     "PassManager", "PassRecord", "PassResult", "REGISTRY", "ShareKVBuffers", "StructureError",
     "StructureMap", "TruncateAtExit", "check_exit_layer", "find_host_syncs", "find_structure",
 ]

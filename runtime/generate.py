@@ -170,29 +170,42 @@ class Runtime:
     def profile(self, repeats: int = 20) -> tuple[float, float]:
         """Median seconds per step spent drafting and verifying, each graph compiled alone.
 
-        Drafting is k+1 calls of the draft graph (k drafts and the pass that writes the last
-        one's KV); prompt lookup has no draft graph (its n-gram match is a few tensor ops).
-        Verifying is one call of the verify graph (or, without a drafter, the decode graph).
+        Drafting is every call of the drafter's graphs in one step (`Graphs.draft_calls`: for
+        early exit and a draft model k+1 calls, the last writing the last draft's KV; for an
+        MTP head k drafts and one refill); prompt lookup has no draft graph (its n-gram match
+        is a few tensor ops). Verifying is one call of the verify graph (or, without a
+        drafter, the decode graph).
         """
-        st, g, k = self.state, self.graphs, self.graphs.k
+        st, g = self.state, self.graphs
         last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
-        x = st.tokens.gather(1, last)
-        self.draft_s, draft_out = 0.0, None
-        if "draft" in g.parts:
-            draft, kv = compile_graph(g.parts["draft"], self.backend), st.kv[g.kv_slices["draft"]]
-            self.draft_s = _median_time(lambda: draft(x, last, *kv), repeats, self.device) * (k + 1)
-            draft_out = draft(x, last, *kv)
+        self.draft_s, exit_hidden = 0.0, None
+        for name, calls in g.draft_calls.items():
+            fn, args = self._profile_call(name, last, exit_hidden)
+            self.draft_s += _median_time(lambda: fn(*args), repeats, self.device) * calls
+            if name == "draft":
+                exit_hidden = fn(*args)[-1]                           # early exit: feeds verify
         name = "verify" if "verify" in g.parts else "decode"
-        verify, kv = compile_graph(g.parts[name], self.backend), st.kv[g.kv_slices[name]]
-        width = k + 1 if name == "verify" else 1
-        pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
-        first_input = next(n.name for n in g.parts[name].graph.nodes if n.op == "placeholder")
-        if first_input == "exit_hidden":                              # early exit: hidden states in
-            inputs = draft_out[1].expand(-1, width, -1).contiguous()
-        else:
-            inputs = x.expand(-1, width).contiguous()
-        self.verify_s = _median_time(lambda: verify(inputs, pos, *kv), repeats, self.device)
+        fn, args = self._profile_call(name, last, exit_hidden)
+        self.verify_s = _median_time(lambda: fn(*args), repeats, self.device)
         return self.draft_s, self.verify_s
+
+    def _profile_call(self, name: str, last: torch.Tensor, exit_hidden):
+        """A part compiled alone and example inputs at its width, built from its input names."""
+        st, gm = self.state, self.graphs.parts[name]
+        kv = st.kv[self.graphs.kv_slices[name]]
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
+        width = next(n.meta["val"].shape[1] for n in inputs if n.name == "positions")
+        pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
+        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos)}
+        if exit_hidden is not None:
+            values["exit_hidden"] = exit_hidden.expand(-1, width, -1).contiguous()
+        args = []
+        for n in inputs:
+            if n.name not in values:                                  # hidden states: zeros do
+                val = n.meta["val"]
+                values[n.name] = torch.zeros(val.shape, dtype=val.dtype, device=self.device)
+            args.append(values[n.name])
+        return compile_graph(gm, self.backend), (*args, *kv)
 
 
 def _median_time(fn, repeats: int, device) -> float:

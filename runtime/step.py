@@ -12,6 +12,9 @@ the `fuse_spec_step` pass then inlines them into one flat graph.
   by the whole target in one pass of k+1 positions.
 - `DraftModelStep`: k drafts from a separate draft model advancing in unison with the target
   (same positions and lengths, its own KV), then its catch-up pass over the last draft.
+- `MTPStep`: k drafts from an MTP head fed by the target's final hidden states, verification
+  of k+1 tokens by the whole target (which also returns its hidden states), then the head's
+  refill over the verified positions. `MTPPrefill` fills the head's KV during prefill.
 
 With `sample=True` a step samples instead of taking the argmax: drafts are drawn from the
 drafter's warped distribution q, and `speculative_accept` (rejection sampling) keeps the
@@ -161,6 +164,88 @@ class DraftModelStep(nn.Module):
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+
+def head_positions(positions: torch.Tensor, trash: int) -> torch.Tensor:
+    """MTP head positions: a head query at p reads h_p; p < 0 (no hidden state yet) goes to
+    the `trash` slot, the cache's last, which no real query reaches."""
+    return torch.where(positions < 0, trash, positions).clamp(max=trash)
+
+
+def _gather_hidden(history: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """history [B, S, H] at positions [B, W] -> [B, W, H]."""
+    return history.gather(1, positions[:, :, None].expand(-1, -1, history.shape[-1]))
+
+
+def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    history.scatter_(1, positions[:, :, None].expand(-1, -1, history.shape[-1]), hidden.to(history.dtype))
+
+
+class MTPStep(nn.Module):
+    """k drafts from an MTP head + verification of k+1 tokens by the target + the head's refill.
+
+    State (`kv`): the target's KV, then the head's key and value buffers, then the history of
+    the target's final hidden states [B, S, H] (h_p written when position p is verified). Draft
+    1 reads h at the pending token's predecessor; drafts 2..k feed the head its own output.
+    After acceptance the head re-runs over the k+1 verified positions with the target's hidden
+    states, so its KV holds what the target saw (the draft passes' entries are overwritten).
+    """
+
+    def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, verify: fx.GraphModule, *, k: int,
+                 num_kv_target: int, max_pos: int, sample: bool = False):
+        super().__init__()
+        self.head, self.refill, self.verify = head, refill, verify
+        self.k, self.nt, self.max_pos, self.sample = k, num_kv_target, max_pos, sample
+        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, kv):
+        kv_target = [kv[i] for i in range(self.nt)]
+        head_kv, history = (kv[self.nt], kv[self.nt + 1]), kv[self.nt + 2]
+        last = lengths - 1                                            # [B]
+        x = tokens.gather(1, last[:, None])                           # [B, 1]
+        warping = (temperature, top_k, top_p)
+        hpos = head_positions((last - 1)[:, None], self.max_pos)      # [B, 1]
+        h = _gather_hidden(history, hpos)                             # [B, 1, H]
+        drafts, qs = [], []
+        for j in range(self.k):
+            pos = head_positions((last - 1 + j)[:, None], self.max_pos)
+            logits, h = self.head(x, h, pos, *head_kv)
+            x, q = _propose(logits[:, -1], self.sample, noise[:, j], warping)
+            drafts.append(x)
+            qs.append(q)
+        drafts = torch.cat(drafts, 1)                                 # [B, k]
+        ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)
+        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
+        out = self.verify(ids, pos, *kv_target)
+        target_logits, hidden = out[0], out[1]                        # [B, k+1, V], [B, k+1, H]
+        emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
+                             target_logits, uniforms, noise[:, self.k], warping)
+        _scatter_hidden(history, pos, hidden)
+        # Refill: the token after position p is emitted[p - last] for every kept p.
+        self.refill(emitted, hidden, pos, *head_kv)
+        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+
+class MTPPrefill(nn.Module):
+    """The target's prefill, then the head's over the same chunk (its KV from h, shifted by one).
+
+    `forward(input_ids [B, C], positions [B, C], *kv) -> (hidden,)`; `kv` as in `MTPStep`.
+    Head position p reads (t_{p+1}, h_p): for this chunk's tokens at positions p+1 that is
+    p = positions - 1, with h_{p} from the history (the previous chunk wrote the first one).
+    """
+
+    def __init__(self, target: fx.GraphModule, head: fx.GraphModule, *, num_kv_target: int, max_pos: int):
+        super().__init__()
+        self.target, self.head, self.nt, self.max_pos = target, head, num_kv_target, max_pos
+
+    def forward(self, input_ids, positions, *kv):
+        hidden = self.target(input_ids, positions, *[kv[i] for i in range(self.nt)])[0]
+        history = kv[self.nt + 2]
+        _scatter_hidden(history, positions, hidden)
+        hpos = head_positions(positions - 1, self.max_pos)
+        self.head(input_ids, _gather_hidden(history, hpos), hpos, kv[self.nt], kv[self.nt + 1])
+        return (hidden,)
 
 
 class _LeafGraphs(fx.Tracer):

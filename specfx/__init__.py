@@ -10,6 +10,7 @@ Exact: greedy output equals `model.generate(do_sample=False)` token for token.
 __version__ = "0.1.0"
 
 from specfx.api import SpeculativeModel, compile  # noqa: E402
-from specfx.drafters import DraftModel, EarlyExit, NoDraft, PromptLookup, parse_draft  # noqa: E402
+from specfx.drafters import DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, parse_draft  # noqa: E402
+from specfx.export import load  # noqa: E402
 
-__all__ = ["DraftModel", "EarlyExit", "NoDraft", "PromptLookup", "SpeculativeModel", "compile", "parse_draft", "__version__"]
+__all__ = ["DraftModel", "EarlyExit", "MTPHead", "NoDraft", "PromptLookup", "SpeculativeModel", "compile", "load", "parse_draft", "__version__"]

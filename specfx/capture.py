@@ -59,6 +59,14 @@ class _ScatterCache(Cache):
         return True
 
 
+def position_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [B, 1, W, S]: the query at position p sees cache slots <= p."""
+    slots = torch.arange(seq_len, device=positions.device)
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, W, S]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+
+
 class StaticDecoder(nn.Module):
     """A causal LM over static KV buffers; `forward(input_ids, positions) -> logits`."""
 
@@ -80,11 +88,7 @@ class StaticDecoder(nn.Module):
         return getattr(self, kv_name("k", layer)), getattr(self, kv_name("v", layer))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        dtype = self.kv(0)[0].dtype
-        slots = torch.arange(self.max_seq_len, device=positions.device)
-        visible = slots[None, None, :] <= positions[:, :, None]  # [B, W, S]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
-        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, W, S]
+        mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
         out = self.model(
             input_ids=input_ids, position_ids=positions, attention_mask=mask,
             past_key_values=_ScatterCache(self, positions), use_cache=True,
@@ -109,15 +113,25 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
     device = decoder.kv(0)[0].device
     ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-    pos = torch.arange(width, device=device).expand(batch_size, width).contiguous()
+    pos = static_positions(batch_size, width, device)
+    gm = export_graph(decoder, (ids, pos))
+    structure = find_structure(gm)
+    return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
+
+
+def static_positions(batch_size: int, width: int, device) -> torch.Tensor:
+    """Example positions [B, W] for capture: 0..W-1 in every row."""
+    return torch.arange(width, device=device).expand(batch_size, width).contiguous()
+
+
+def export_graph(module: nn.Module, args: tuple) -> fx.GraphModule:
+    """`torch.export` `module` at the shapes of `args` into a plain GraphModule."""
     import warnings
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
-        ep = torch.export.export(decoder, (ids, pos), strict=False)
-    gm = _plain_graph(ep.module())
-    structure = find_structure(gm)
-    return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
+        ep = torch.export.export(module, args, strict=False)
+    return _plain_graph(ep.module())
 
 
 def _plain_graph(gm: fx.GraphModule) -> fx.GraphModule:

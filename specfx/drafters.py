@@ -1,7 +1,8 @@
 """Drafter configurations: validated dataclasses, and the string forms the CLI accepts.
 
 `parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"ngram:3"` -> `PromptLookup(ngram=3)`;
-`"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"none"` or None -> `NoDraft()`.
+`"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"mtp:pycoder-mtp"` -> `MTPHead("pycoder-mtp")`;
+`"none"` or None -> `NoDraft()`.
 The transform for each config lives in `specfx.pipeline`, registered by config type.
 """
 
@@ -87,7 +88,34 @@ class DraftModel:
         return model.to(param.device, param.dtype).eval()
 
 
-DrafterConfig = NoDraft | EarlyExit | PromptLookup | DraftModel
+@dataclass(frozen=True)
+class MTPHead:
+    """An MTP/EAGLE-style head trained for this target (`specfx train mtp`), drafting from the
+    target's own hidden states.
+
+    `path` is a head checkpoint folder or a zoo name; None means the model's default head
+    (`config.specfx_mtp_head`, set for the zoo's `pycoder`).
+    """
+
+    path: str | Path | None = None
+    name = "mtp"
+
+    def __str__(self) -> str:
+        return "mtp" if self.path is None else f"mtp:{self.path}"
+
+    def load(self, target):
+        """The head module for `target` (refused if it was trained for another target)."""
+        from specfx import zoo
+        from specfx.mtp import load_head
+
+        path = self.path if self.path is not None else default_mtp_head(target)
+        p = Path(path)
+        if not p.is_dir() and str(path) in zoo.names():
+            p = zoo.path(str(path))
+        return load_head(p, target)
+
+
+DrafterConfig = NoDraft | EarlyExit | PromptLookup | DraftModel | MTPHead
 
 
 def parse_draft(spec) -> DrafterConfig:
@@ -111,12 +139,14 @@ def parse_draft(spec) -> DrafterConfig:
         if arg and not arg.lstrip("-").isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")
         return PromptLookup(ngram=int(arg)) if arg else PromptLookup()
+    if name == "mtp":
+        return MTPHead(arg or None)
     if name == "draft-model":
         if not arg:
             raise ValueError(f"bad draft spec {spec!r}: expected draft-model:<zoo name or checkpoint path>")
         return DraftModel(arg)
     raise ValueError(f"unknown draft spec {spec!r}; expected one of: none, early-exit, early-exit:<layer>, "
-                     "ngram, ngram:<n>, draft-model:<path>")
+                     "ngram, ngram:<n>, draft-model:<path>, mtp, mtp:<path>")
 
 
 def default_exit_layer(model) -> int:
@@ -131,6 +161,15 @@ def default_exit_layer(model) -> int:
     if chosen:
         return int(chosen)
     return max(1, config.num_hidden_layers // 4)
+
+
+def default_mtp_head(model) -> str:
+    """The model's own MTP head (`config.specfx_mtp_head`: a zoo name or a folder)."""
+    head = getattr(model.config, "specfx_mtp_head", None)
+    if not head:
+        raise ValueError("this model names no default MTP head (config.specfx_mtp_head); "
+                         "pass one: MTPHead('path/to/head') or draft='mtp:PATH' (train one with `specfx train mtp`)")
+    return str(head)
 
 
 def default_num_speculative_tokens(model, fallback: int) -> int:

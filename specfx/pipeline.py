@@ -11,15 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
-from specfx.capture import StaticDecoder, capture
-from specfx.drafters import (DraftModel, EarlyExit, NoDraft, PromptLookup, check_same_tokenizer,
+from specfx.capture import StaticDecoder, capture, export_graph, static_positions
+from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
-from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, FindStructure, FuseSpecStep,
-                           PassManager, ShareKVBuffers, StructureMap, TruncateAtExit, check_exit_layer)
+from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
+                           FuseSpecStep, PassManager, ShareKVBuffers, StructureMap, TruncateAtExit,
+                           check_exit_layer)
 from specfx.runtime.state import StaticState
-from specfx.runtime.step import DecodeStep, DraftModelStep, EarlyExitStep, PromptLookupStep, trace_step
+from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPPrefill, MTPStep,
+                                 PromptLookupStep, trace_step)
 
 PREFILL_CHUNK = 64
 
@@ -49,8 +52,9 @@ class Graphs:
     drafter: object
     prefill_chunk: int
     max_seq_len: int
-    parts: dict[str, fx.GraphModule] = field(default_factory=dict)  # draft / verify / decode
+    parts: dict[str, fx.GraphModule] = field(default_factory=dict)  # draft / verify / decode / refill
     kv_slices: dict[str, slice] = field(default_factory=dict)        # part -> its slice of state.kv
+    draft_calls: dict[str, int] = field(default_factory=dict)        # part -> calls per step (drafting)
     unfused_step: fx.GraphModule | None = None
     records: list = field(default_factory=list)
     make_step: Callable | None = None  # sample: bool -> step module (before tracing)
@@ -179,6 +183,7 @@ def _build_early_exit(ctx: BuildContext):
     verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
     ctx.graphs.parts.update(draft=draft, verify=verify)
     ctx.graphs.kv_slices.update(draft=slice(0, 2 * E), verify=slice(2 * E, 2 * s.num_layers))
+    ctx.graphs.draft_calls["draft"] = k + 1     # k drafts and the pass that writes the last one's KV
     return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
                                         max_pos=ctx.seq_len - 1, sample=sample), k
 
@@ -191,6 +196,39 @@ def _build_prompt_lookup(ctx: BuildContext):
     ctx.graphs.kv_slices["verify"] = slice(0, num_kv)
     return lambda sample: PromptLookupStep(verify, k=ctx.k, ngram=ctx.drafter.ngram, num_kv=num_kv,
                                            max_pos=ctx.seq_len - 1, sample=sample), ctx.k
+
+
+@register(MTPHead)
+def _build_mtp(ctx: BuildContext):
+    from specfx.mtp import StaticHead
+
+    s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
+    head = ctx.drafter.load(model)
+    static = StaticHead(model, head, ctx.batch_size, ctx.seq_len)
+    param = next(model.parameters())
+    hidden_size = head.eh_proj.out_features
+
+    def cap(width: int, name: str) -> fx.GraphModule:
+        B = ctx.batch_size
+        ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
+        hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
+        return pm.run_all([ShareKVBuffers()], export_graph(static, (ids, hidden, static_positions(B, width, param.device))),
+                          graph=name)
+
+    draft, refill = cap(1, "draft"), cap(k + 1, "refill")
+    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size, head_vocab_size=s.vocab_size),
+                         ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
+    nt = 2 * s.num_layers
+    history = torch.zeros(ctx.batch_size, ctx.seq_len, s.hidden_size, dtype=param.dtype, device=param.device)
+    ctx.extra_kv.extend([*static.kv(), history])
+    prefill = MTPPrefill(ctx.graphs.prefill, cap(ctx.graphs.prefill_chunk, "head_prefill"),
+                         num_kv_target=nt, max_pos=ctx.seq_len - 1)
+    ctx.graphs.prefills[0] = Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), slice(0, nt + 3))
+    ctx.graphs.parts.update(draft=draft, refill=refill, verify=verify)
+    ctx.graphs.kv_slices.update(draft=slice(nt, nt + 2), refill=slice(nt, nt + 2), verify=slice(0, nt))
+    ctx.graphs.draft_calls.update(draft=k, refill=1)
+    return lambda sample: MTPStep(draft, refill, verify, k=k, num_kv_target=nt, max_pos=ctx.seq_len - 1,
+                                  sample=sample), k
 
 
 @register(DraftModel)
@@ -206,6 +244,7 @@ def _build_draft_model(ctx: BuildContext):
     ctx.extra_kv.extend(d.kv)
     ctx.graphs.parts.update(draft=draft, verify=verify)
     ctx.graphs.kv_slices.update(draft=slice(nt, nt + nd), verify=slice(0, nt))
+    ctx.graphs.draft_calls["draft"] = ctx.k + 1  # k drafts and the catch-up pass
     return lambda sample: DraftModelStep(
         draft, verify, k=ctx.k, num_kv_target=nt, num_kv_draft=nd, draft_vocab=d.structure.vocab_size,
         target_vocab=ctx.target.structure.vocab_size, max_pos=ctx.seq_len - 1, sample=sample), ctx.k

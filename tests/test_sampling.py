@@ -118,11 +118,15 @@ def _exact_two_token_marginals(model, prompt, T):
 
 
 @pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
-                                     ("draft-model", 2)])
-def test_end_to_end_distribution_of_the_first_two_tokens(draft, k):
+                                     ("draft-model", 2), ("mtp", 2)])
+def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
     model = tiny_model("llama", layers=3, vocab=V_SMALL, seed=4)
     if draft == "draft-model":
         draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6))
+    if draft == "mtp":
+        from specfx.mtp import new_head, save_head
+
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
     B, runs, T = 512, 8, 0.9
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=32, batch_size=B,
                           backend="eager")

@@ -1,4 +1,4 @@
-"""`specfx train layerskip|draft`: reproduce the embedded models (seeded)."""
+"""`specfx train layerskip|draft|mtp|prompts`: reproduce the embedded models (seeded)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 EPILOG = """examples:
   specfx train layerskip --out specfx/zoo/pycoder --steps 1200 --threads 2
   specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500 --threads 1
+  specfx train mtp --target pycoder --out specfx/zoo/pycoder-mtp --threads 2
   specfx train prompts --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pycode.jsonl
   specfx train prompts --task editing --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pyedit.jsonl
 """
@@ -18,17 +19,21 @@ def add_parser(sub):
         "train", help="train an embedded model (LayerSkip target or draft)",
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("kind", choices=["layerskip", "draft", "prompts"],
-                   help="which model to train (prompts: cut the evaluation prompts with --tokenizer)")
+    p.add_argument("kind", choices=["layerskip", "draft", "mtp", "prompts"],
+                   help="which model to train (mtp: a draft head for --target; prompts: cut the "
+                        "evaluation prompts with --tokenizer)")
     p.add_argument("--out", required=True, help="output directory (HF checkpoint), or the .jsonl for prompts")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
+    p.add_argument("--target", default=None, help="mtp only: the zoo model or checkpoint the head drafts for")
+    p.add_argument("--windows", type=int, default=2048, help="mtp only: windows of target hidden states to precompute")
+    p.add_argument("--regression-weight", type=float, default=0.5, help="mtp only: weight of the feature regression")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--task", choices=["completion", "editing"], default="completion",
                    help="prompts only: which evaluation set to cut")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16; mtp 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; mtp 1e-3)")
     p.add_argument("--p-max", type=float, default=0.1, help="layer dropout of the last layer")
     p.add_argument("--exit-every", type=int, default=4, help="rotational curriculum period R")
     p.add_argument("--seed", type=int, default=0, help="random seed")
@@ -52,9 +57,19 @@ def run(args) -> int:
         n = write_prompts(AutoTokenizer.from_pretrained(args.tokenizer), args.out, task=args.task)
         Console().print(f"wrote {n} prompts to {args.out}")
         return 0
+    if args.kind == "mtp":
+        from specfx.zoo.build import build_mtp
+
+        if not args.target:
+            raise ValueError("specfx train mtp needs --target (a zoo model or checkpoint directory)")
+        info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps,
+                         batch_size=args.batch_size or 8, seq_len=args.seq_len, lr=args.lr or 1e-3,
+                         windows=args.windows, regression_weight=args.regression_weight, seed=args.seed)
+        Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
+        return 0
     info = build(
         args.kind, args.out, tokenizer=args.tokenizer, teacher=args.teacher, threads=args.threads,
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        steps=args.steps, batch_size=args.batch_size or 16, seq_len=args.seq_len, lr=args.lr or 2e-3,
         p_max=args.p_max, exit_every=args.exit_every, seed=args.seed, model_overrides=args.model,
     )
     Console().print_json(json.dumps(info["heldout"]))

@@ -1,0 +1,227 @@
+"""MTP / EAGLE-style draft heads: the head module, its checkpoint, and its static form.
+
+A head drafts token t_{i+2} from the target's hidden state h_i at position i and the
+embedding of the token t_{i+1} that followed (DeepSeek-V3's multi-token-prediction module,
+EAGLE's feature-level draft):
+
+    g_i    = Layer(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]))
+    logits = lm_head(norm(g_i))
+
+`Layer` is one decoder layer of the target's own architecture; `emb` and `lm_head` are the
+target's, frozen, and never stored with the head. h_i is the residual stream after the
+target's last layer (the input of its final norm). The two input norms matter: the embedding
+and the residual stream live at very different scales. For a second draft the head feeds its
+own g in place of h, so training also regresses g_i onto h_{i+1}.
+
+Checkpoints are a folder with `model.safetensors` (parameter names follow DeepSeek-V3's MTP
+layer: `enorm`, `hnorm`, `eh_proj`, `layers.0.*`, `norm`) and `config.json`, which records
+the target it was trained for (architecture, sizes and a fingerprint of its weights);
+`load_head` refuses a head trained for another target.
+
+- `new_head(target)`, `load_head(path, target)`, `save_head(head, path, target, info)`;
+- `StaticHead(target, head, batch_size, seq_len)`: the head over its own static KV buffer,
+  `forward(input_ids, hidden, positions) -> (logits, g)`, ready for `torch.export`;
+- `final_hidden(target, input_ids)`: h for every position (training and tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specfx.capture import _ScatterCache, kv_name, kv_shape, position_mask
+
+FORMAT = "specfx-mtp-head"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+@dataclass
+class TargetParts:
+    """The parts of a target a head is built from and shares."""
+
+    config: object
+    embed: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+
+def target_parts(model: nn.Module) -> TargetParts:
+    """Find the embedding, lm_head, rotary embedding, decoder layers and final norm of `model`."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    found = {
+        "embedding (get_input_embeddings)": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
+        "lm_head (get_output_embeddings)": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None,
+        "rotary embedding (decoder.rotary_emb)": getattr(decoder, "rotary_emb", None),
+        "decoder layers (decoder.layers)": getattr(decoder, "layers", None),
+        "final norm (decoder.norm)": getattr(decoder, "norm", None),
+    }
+    missing = [name for name, part in found.items() if part is None]
+    if missing:
+        raise ValueError(f"cannot attach an MTP head to {type(model).__name__}: not found: {', '.join(missing)}")
+    return TargetParts(config, *found.values())
+
+
+class DraftHead(nn.Module):
+    """`Layer(eh_proj([enorm(e); hnorm(h)]))` with one decoder layer of the target's type."""
+
+    def __init__(self, config, layer_cls: type, norm_cls: type):
+        super().__init__()
+        H, eps = config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)
+        self.enorm, self.hnorm, self.norm = norm_cls(H, eps=eps), norm_cls(H, eps=eps), norm_cls(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.layers = nn.ModuleList([layer_cls(config, layer_idx=0)])
+
+    def forward(self, embeds, hidden, *, position_ids, position_embeddings, attention_mask=None, cache=None):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
+            out = self.layers[0](x, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, use_cache=cache is not None,
+                                 position_embeddings=position_embeddings)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def new_head(target: nn.Module) -> DraftHead:
+    """A fresh head for `target`; its layer starts as a copy of the target's last layer."""
+    parts = target_parts(target)
+    head = DraftHead(parts.config, type(parts.layers[0]), type(parts.norm))
+    head.layers[0].load_state_dict(parts.layers[-1].state_dict())
+    param = next(target.parameters())
+    return head.to(param.device, param.dtype)
+
+
+def target_fingerprint(model: nn.Module) -> str:
+    """A short hash of the target's weights: names, shapes, and a strided sample of values.
+
+    Values are rounded to bfloat16 first, so a float32 target and its bf16 copy agree.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024].to(torch.bfloat16).to(torch.float32)
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _target_record(target: nn.Module) -> dict:
+    parts = target_parts(target)
+    c = parts.config
+    return {"model_type": getattr(c, "model_type", type(target).__name__), "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
+            "layer_type": type(parts.layers[0]).__name__, "fingerprint": target_fingerprint(target),
+            "name": getattr(c, "_name_or_path", "") or ""}
+
+
+def save_head(head: DraftHead, out: str | Path, target: nn.Module, info: dict | None = None) -> Path:
+    """Write `model.safetensors` and `config.json` (with the target's record) to `out`."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": "DraftHead",
+              "target": _target_record(target), **({"train": info} if info else {})}
+    (out / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def read_head_config(path: str | Path) -> dict:
+    """The head's config.json, checked to be a specfx head checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"MTP head {str(path)!r} not found (expected a folder with {CONFIG} and {WEIGHTS})")
+    for name in (CONFIG, WEIGHTS):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"MTP head {str(path)!r} is missing {name}")
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"MTP head {str(path)!r}: {CONFIG} is corrupt ({e})") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not an MTP head checkpoint ({CONFIG} has no format={FORMAT!r})")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"MTP head {str(path)!r} has format version {config.get('format_version')}; "
+                         f"this specfx reads version {FORMAT_VERSION}")
+    return config
+
+
+def load_head(path: str | Path, target: nn.Module) -> DraftHead:
+    """Load the head at `path` for `target`; refuses a head trained for another target."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = read_head_config(path)
+    recorded, actual = config.get("target", {}), _target_record(target)
+    for key in ("model_type", "hidden_size", "vocab_size", "layer_type", "fingerprint"):
+        if recorded.get(key) != actual[key]:
+            raise ValueError(
+                f"MTP head {str(path)!r} was trained for another target: {key} is {recorded.get(key)!r} "
+                f"in the head, {actual[key]!r} in this model ({actual['name'] or type(target).__name__})")
+    try:
+        state = load_file(str(Path(path) / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"MTP head {str(path)!r}: {WEIGHTS} is corrupt ({e})") from None
+    parts = target_parts(target)
+    head = DraftHead(parts.config, type(parts.layers[0]), type(parts.norm))
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"MTP head {str(path)!r}: weights do not fit this target ({e})") from None
+    param = next(target.parameters())
+    return head.to(param.device, param.dtype).eval()
+
+
+class StaticHead(nn.Module):
+    """The head over its own static KV buffer, sharing the target's embedding and lm_head.
+
+    `forward(input_ids [B, W], hidden [B, W, H], positions [B, W]) -> (logits [B, W, V], g [B, W, H])`:
+    row b's query j sits at head position `positions[b, j]` (the position of the hidden state
+    it reads) and sees the head's cache slots up to it.
+    """
+
+    def __init__(self, target: nn.Module, head: DraftHead, batch_size: int, max_seq_len: int):
+        super().__init__()
+        parts = target_parts(target)
+        self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
+        self.max_seq_len = max_seq_len
+        param = next(target.parameters())
+        shape = kv_shape(parts.config, batch_size, max_seq_len)
+        for kind in "kv":
+            self.register_buffer(kv_name(kind, 0), torch.zeros(shape, dtype=param.dtype, device=param.device),
+                                 persistent=False)
+
+    def kv(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, kv_name("k", 0)), getattr(self, kv_name("v", 0))
+
+    def forward(self, input_ids, hidden, positions):
+        embeds = self.embed(input_ids)
+        g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
+                      position_embeddings=self.rotary(embeds, positions),
+                      attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
+                      cache=_ScatterCache(self, positions))
+        return self.lm_head(self.head.norm(g)), g
+
+
+def final_hidden(target: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """h [B, T, H]: the residual stream after the last layer (input of the final norm)."""
+    norm = target_parts(target).norm
+    seen = []
+    handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        target(input_ids)
+    finally:
+        handle.remove()
+    return seen[-1]

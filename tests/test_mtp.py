@@ -1,0 +1,208 @@
+"""MTP heads: the attach pass, exactness in the fused step, training, and refused heads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specfx
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
+from specfx.capture import capture
+from specfx.mtp import final_hidden, load_head, new_head, save_head, target_parts
+from specfx.mtp_train import MTPTrainConfig, evaluate_head, train_head
+from specfx.passes import AttachMTPHead, find_host_syncs
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny Llama and a head trained on its own greedy continuations (a few seconds)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=3, vocab=64, seed=31)
+    with torch.no_grad():
+        prompts = torch.randint(3, 64, (96, 3))
+        text = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=40, min_new_tokens=40, pad_token_id=0)
+    cfg = MTPTrainConfig(steps=150, batch_size=16, seq_len=43, windows=96, lr=3e-3, warmup=10, bf16=False)
+    head, curve = train_head(model, text[:88], cfg, progress=False)
+    return model, head, text[88:], curve
+
+
+def _saved(tmp_path, model, head=None):
+    path = tmp_path / "head"
+    save_head(head if head is not None else new_head(model), path, model)
+    return path
+
+
+def test_attach_mtp_head_exposes_the_final_hidden_state():
+    model = tiny_model("llama", layers=3)
+    cg = capture(model, width=4, max_seq_len=32)
+    before = len(next(n for n in cg.gm.graph.nodes if n.op == "output").args[0])
+    res = AttachMTPHead(cg.structure, head_hidden_size=64, head_vocab_size=96)(cg.gm)
+    assert res.modified and before == 1
+    ids = torch.randint(3, 96, (1, 4))
+    with torch.no_grad():
+        logits, hidden = res.graph_module(ids, torch.arange(4)[None])
+        ref_logits = model(ids).logits
+    assert torch.allclose(logits, ref_logits, atol=1e-4)
+    assert torch.allclose(hidden, final_hidden(model, ids), atol=1e-4)
+    again = AttachMTPHead(cg.structure, head_hidden_size=64, head_vocab_size=96)(res.graph_module)
+    assert not again.modified and "already" in again.reason
+
+
+def test_attach_mtp_head_refuses_a_head_of_another_size():
+    cg = capture(tiny_model("llama", layers=2), width=2, max_seq_len=16)
+    with pytest.raises(ValueError, match="hidden size 32"):
+        AttachMTPHead(cg.structure, head_hidden_size=32, head_vocab_size=96)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_model_generate(tmp_path, arch, k):
+    model = tiny_model(arch, layers=3, seed=40 + k)
+    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model)), num_speculative_tokens=k,
+                          max_seq_len=96, batch_size=2, backend="eager")
+    g = torch.Generator().manual_seed(k)
+    for prompt_len in (1, 70):   # 70 > one prefill chunk of 64
+        ids = torch.randint(3, 96, (1, prompt_len), generator=g)
+        ours = fast.generate(ids, max_new_tokens=20, eos_token_id=[])
+        assert_greedy_equal(model, ours, hf_greedy(model, ids, 20), prompt_len)
+    # Rows of different lengths in one batch.
+    ids = torch.randint(3, 96, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ours = fast.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    for b in range(2):
+        row = ids[b][mask[b].bool()][None]
+        assert_greedy_equal(model, ours[b : b + 1, 9:], hf_greedy(model, row, 12)[:, row.shape[1]:], 0)
+
+
+def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
+    """At k=1 each step's draft is the head's prediction from (t_last, h_{last-1}), so replaying
+    the greedy output offline predicts exactly which steps accept (positions, KV refill)."""
+    model, head, heldout, curve = trained
+    assert curve[-1]["agreement"] > curve[0]["agreement"]
+    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model, head)), num_speculative_tokens=1,
+                          max_seq_len=128, backend="eager")
+    P, N = 6, 48
+    ids = heldout[:1, :P]
+    ours = fast.generate(ids, max_new_tokens=N, eos_token_id=[])
+    assert_greedy_equal(model, ours, hf_greedy(model, ids, N), P)
+    # Offline: pred[p] is the head's guess for the token at p + 2, from the full greedy sequence.
+    parts = target_parts(model)
+    with torch.no_grad():
+        h = final_hidden(model, ours)
+        e = parts.embed(ours[:, 1:])
+        pos = torch.arange(ours.shape[1] - 1)[None]
+        pred = parts.lm_head(head.norm(head(e, h[:, :-1], position_ids=pos,
+                                            position_embeddings=parts.rotary(e, pos)))).argmax(-1)[0]
+    length, accepted, calls = P, 0, 0
+    while length < P + N:
+        hit = length + 1 < ours.shape[1] and pred[length - 2].item() == ours[0, length + 1].item() and length >= 2
+        accepted, calls, length = accepted + hit, calls + 1, length + 1 + hit
+    assert accepted > calls // 2                       # the head is useful
+    assert fast.last_stats.target_calls == calls
+    # The last step may accept a draft past the end of `ours`, which the replay cannot see.
+    online = round(fast.last_stats.acceptance_by_position[0] * calls)
+    assert online - accepted in (0, 1), (online, accepted, calls)
+
+
+def test_train_head_improves_held_out_agreement(trained):
+    model, head, heldout, _ = trained
+    fresh = evaluate_head(new_head(model), model, heldout)
+    after = evaluate_head(head, model, heldout)
+    assert after["top1_agreement"] > fresh["top1_agreement"] + 0.2
+
+
+def test_head_round_trips_through_its_checkpoint(tmp_path, trained):
+    model, head, _, _ = trained
+    loaded = load_head(_saved(tmp_path, model, head), model)
+    for (n, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["target"]["hidden_size"] == 64 and len(config["target"]["fingerprint"]) == 16
+
+
+def test_head_for_another_target_is_refused(tmp_path):
+    model = tiny_model("llama", layers=3, seed=1)
+    path = _saved(tmp_path, model)
+    with pytest.raises(ValueError, match="trained for another target: fingerprint"):
+        specfx.compile(tiny_model("llama", layers=3, seed=2), draft=specfx.MTPHead(path), backend="eager")
+    with pytest.raises(ValueError, match="trained for another target: hidden_size"):
+        load_head(path, tiny_model("llama", layers=3, hidden_size=32))
+    with pytest.raises(ValueError, match="trained for another target: vocab_size"):
+        load_head(path, tiny_model("llama", layers=3, vocab=128, seed=1))
+    with pytest.raises(ValueError, match="trained for another target: model_type"):
+        load_head(path, tiny_model("qwen2", layers=3, seed=1))
+
+
+def test_missing_or_corrupt_head_is_refused(tmp_path):
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_head(tmp_path / "nope", model)
+    path = _saved(tmp_path, model)
+    weights = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):
+        load_head(path, model)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="missing model.safetensors"):
+        load_head(path, model)
+    path = _saved(tmp_path, model)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is corrupt"):
+        load_head(path, model)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="not an MTP head"):
+        load_head(path, model)
+
+
+def test_mtp_spec_strings_and_default_head():
+    assert specfx.parse_draft("mtp:pycoder-mtp") == specfx.MTPHead("pycoder-mtp")
+    assert specfx.parse_draft("mtp") == specfx.MTPHead()
+    with pytest.raises(ValueError, match="names no default MTP head"):
+        specfx.compile(tiny_model("llama", layers=2), draft="mtp", backend="eager")
+
+
+def test_unsupported_model_names_the_missing_part():
+    class NoRotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = tiny_model("llama", layers=2).config
+            self.model = torch.nn.Module()
+
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(4, 4)
+
+        def get_output_embeddings(self):
+            return torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="rotary embedding"):
+        target_parts(NoRotary())
+
+
+def test_mtp_step_has_no_host_sync_and_its_state_layout(tmp_path):
+    model = tiny_model("llama", layers=3)
+    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model)), num_speculative_tokens=2,
+                          max_seq_len=32, backend="eager")
+    g = fast.graphs
+    assert find_host_syncs(g.step) == [] and find_host_syncs(g.fused_sample_step()) == []
+    assert find_host_syncs(g.prefill) == []
+    assert not any(n.op == "call_module" for n in g.step.graph.nodes)
+    # Target KV, the head's key and value, the hidden-state history.
+    assert len(g.state.kv) == 2 * 3 + 3
+    assert g.state.kv[-1].shape == (1, g.state.seq_len, 64)
+    assert g.draft_calls == {"draft": 2, "refill": 1}
+
+
+@pytest.mark.slow
+def test_mtp_step_compiles_fullgraph(tmp_path):
+    model = tiny_model("llama", layers=2, seed=8)
+    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model)), num_speculative_tokens=2,
+                          max_seq_len=32, backend="inductor", warmup=False)
+    fast.graphs.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
+    explain = torch._dynamo.explain(fast.graphs.step)(*fast.graphs.state.step_args())
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    ids = torch.randint(3, 96, (1, 5))
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=12, eos_token_id=[]), hf_greedy(model, ids, 12), 5)
