@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from specfx import pipeline
+from specfx import generation, pipeline
 from specfx.drafters import default_num_speculative_tokens, parse_draft
+from specfx.generation import GenerationDefaults, StaticShape
 from specfx.runtime.generate import Runtime
 from specfx.runtime.stats import GenerationStats
 
@@ -48,6 +49,11 @@ class SpeculativeModel:
     def num_speculative_tokens(self) -> int:
         return self.graphs.k
 
+    @property
+    def defaults(self) -> GenerationDefaults:
+        """EOS/pad ids and sampling settings from the model's configs, read at each call."""
+        return GenerationDefaults.from_model(self.model)
+
     def _warmup(self) -> None:
         """Run prefill and two steps on a dummy prompt so compilation happens now."""
         prompt = torch.zeros(min(self.graphs.prefill_chunk + 1, self.max_seq_len - 2), dtype=torch.long)
@@ -67,34 +73,17 @@ class SpeculativeModel:
         """
         if unsupported:
             raise TypeError(f"unsupported generate arguments: {sorted(unsupported)}")
-        sampling = _sampling(self.model, temperature, top_k, top_p, seed) if do_sample else None
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        B, P = input_ids.shape
-        if B > self.batch_size:
-            raise ValueError(f"batch of {B} is larger than the compiled batch_size={self.batch_size}; "
-                             f"compile with batch_size>={B}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompts = _rows(input_ids, attention_mask)
-        longest = max(p.numel() for p in prompts)
-        if min(p.numel() for p in prompts) < 1:
-            raise ValueError("every row needs at least one prompt token")
-        if longest + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_seq_len={self.max_seq_len}; compile with a larger max_seq_len")
-        if streamer is not None and B != 1:
-            raise ValueError("streaming supports batch size 1 only")
-        eos = _eos_ids(self.model, eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else _pad_id(self.model, eos)
-        if streamer is not None:
-            streamer.put(input_ids[0].cpu())
-        rows, self.last_stats = self.runtime.generate(prompts, max_new_tokens, eos, streamer, sampling)
-        width = max(len(r) for r in rows)
-        new = torch.full((B, width), pad, dtype=torch.long)
-        for b, r in enumerate(rows):
-            new[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return torch.cat([input_ids.cpu(), new], 1).to(input_ids.device)
+        out, self.last_stats = generation.generate(
+            self.runtime, self.defaults, StaticShape(self.batch_size, self.max_seq_len), input_ids, attention_mask,
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
+        return out
+
+    def export(self, out_dir, formats=("pt2", "aoti", "onnx"), *, tokenizer=None):
+        """Write a loadable artifact folder (see `specfx.export`); returns its manifest."""
+        from specfx.export import export
+
+        return export(self, out_dir, formats, tokenizer=tokenizer)
 
     def profile(self, repeats: int = 20) -> tuple[float, float]:
         """Time the draft and verify graphs apart (seconds per step); fills `last_stats`."""
@@ -127,44 +116,3 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
             return SpeculativeModel(m, **kwargs)
         return decorator
     return SpeculativeModel(model, **kwargs)
-
-
-def _sampling(model, temperature, top_k, top_p, seed) -> dict:
-    """Sampling settings, unset ones taken from the model's generation_config like transformers."""
-    gen = getattr(model, "generation_config", None)
-
-    def pick(value, name, default):
-        configured = getattr(gen, name, None)
-        return value if value is not None else (default if configured is None else configured)
-
-    return dict(temperature=float(pick(temperature, "temperature", 1.0)), top_k=int(pick(top_k, "top_k", 0) or 0),
-                top_p=float(pick(top_p, "top_p", 1.0)), seed=seed)
-
-
-def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each row's real tokens (padding dropped, left or right)."""
-    if attention_mask is None:
-        return [row for row in input_ids.cpu()]
-    mask = attention_mask.cpu().bool()
-    return [row[m] for row, m in zip(input_ids.cpu(), mask)]
-
-
-def _eos_ids(model, eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        gen = getattr(model, "generation_config", None)
-        eos_token_id = getattr(gen, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(model.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
-
-
-def _pad_id(model, eos: list[int]) -> int:
-    gen = getattr(model, "generation_config", None)
-    pad = getattr(gen, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(model.config, "pad_token_id", None)
-    if pad is None:
-        pad = eos[0] if eos else 0
-    return int(pad)
