@@ -14,6 +14,8 @@ COMMANDS = {
     "passes": "passes_cmd",
     "zoo": "zoo",
     "train": "train",
+    "export": "export_cmd",
+    "run": "run_cmd",
 }
 
 
