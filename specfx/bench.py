@@ -105,6 +105,7 @@ METHODS = {
     "specfx:early-exit": "exit layer (default: the model's)",
     "specfx:draft-model": "draft checkpoint (default: pycoder-draft)",
     "specfx:ngram": "n-gram size (default: 3)",
+    "specfx:mtp": "head checkpoint (default: the model's, e.g. pycoder-mtp)",
 }
 DEFAULT_DRAFT = "pycoder-draft"
 
@@ -121,7 +122,7 @@ def parse_method(method: str, default_exit: int, k: int) -> tuple[str, str | Non
     if not arg and METHODS[base]:
         arg = {"hf-early-exit": str(default_exit), "specfx:early-exit": str(default_exit),
                "hf-assisted": DEFAULT_DRAFT, "specfx:draft-model": DEFAULT_DRAFT,
-               "hf-prompt-lookup": str(k), "specfx:ngram": "3"}[base]
+               "hf-prompt-lookup": str(k), "specfx:ngram": "3", "specfx:mtp": ""}[base]
     if base in ("hf-early-exit", "specfx:early-exit", "hf-prompt-lookup", "specfx:ngram") and not arg.isdigit():
         raise ValueError(f"method {method!r}: expected a number after ':'")
     return base, arg or None

@@ -206,3 +206,10 @@ def test_mtp_step_compiles_fullgraph(tmp_path):
     assert explain.graph_break_count == 0 and explain.graph_count == 1
     ids = torch.randint(3, 96, (1, 5))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=12, eos_token_id=[]), hf_greedy(model, ids, 12), 5)
+
+
+def test_train_mtp_cli_needs_a_target(capsys):
+    from specfx.cli.main import main
+
+    assert main(["train", "mtp", "--out", "unused"]) == 2
+    assert "needs --target" in capsys.readouterr().err

@@ -19,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--draft", default="early-exit", help="drafter spec (default: early-exit)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="draft tokens per step")
     p.add_argument("--max-seq-len", type=int, default=256, help="static cache length")
-    p.add_argument("--graph", choices=["draft", "verify", "prefill", "step", "decode"], default=None,
+    p.add_argument("--graph", choices=["draft", "verify", "refill", "prefill", "step", "decode"], default=None,
                    help="also print this graph's code")
     p.add_argument("--json", dest="json_out", default=None, help="write the report as JSON here")
     return p

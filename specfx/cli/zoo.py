@@ -28,6 +28,15 @@ def run(args) -> int:
     for name in zoo.names():
         info = zoo.info(name)
         ho = info["heldout"]
+        if info.get("kind") == "mtp":
+            acc = info["acceptance"]
+            table.add_row(
+                name, f"{info['parameters'] / 1e6:.1f}M", "1 (head)", "-", f"{ho['top1_agreement']:.3f}",
+                f"MTP head for {info['target']}: acceptance by draft position "
+                + " ".join(f"{a:.2f}" for a in acc["acceptance_by_position"])
+                + f" ({acc['mean_accepted']:.2f} tokens/call at k={acc['k']})",
+            )
+            continue
         by_exit = " ".join(f"{a:.2f}" for a in ho["top1_by_exit"])
         extra = ho.get("greedy_agreement_with_target")
         if extra is not None:

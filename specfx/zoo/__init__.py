@@ -2,7 +2,8 @@
 
 - `path(name)`: the checkpoint directory (`AutoModelForCausalLM.from_pretrained` takes it).
 - `load(name)`: `(model, tokenizer)`, the model in float32 and eval mode.
-- `names()`: the shipped models; `info(name)`: what training measured (held-out loss, accuracy).
+- `names()`: the shipped models and heads; `info(name)`: what training measured (held-out loss,
+  accuracy; for an MTP head, agreement with its target and acceptance per draft position).
 - `prompts(task)`: the fixed evaluation prompts every machine benchmarks.
 
 Models are trained by `specfx train` (see `specfx.zoo.build`); `MANIFEST` names the corpus.
@@ -44,8 +45,15 @@ def load(name: str, dtype=None):
 
 
 def info(name: str) -> dict:
-    """The training record of `name`: parameters, config, held-out metrics."""
-    return json.loads((path(name) / "specfx_train.json").read_text())
+    """The training record of `name`: parameters, config, held-out metrics.
+
+    For a model, its `specfx_train.json`; for an MTP head (`kind == "mtp"`), the record kept
+    in the head's `config.json`.
+    """
+    p = path(name)
+    if (p / "specfx_train.json").is_file():
+        return json.loads((p / "specfx_train.json").read_text())
+    return json.loads((p / "config.json").read_text())["train"]
 
 
 TASKS = ("completion", "editing")
