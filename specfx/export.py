@@ -114,6 +114,9 @@ def load(path, format: str = "pt2", device=None) -> LoadedModel:
     `device=None` runs it where it was exported. A pt2 artifact moves to any device; an AOTI
     package runs only on the device type it was compiled for.
     """
+    if format == "onnx":
+        raise ValueError("the ONNX step runs under onnxruntime (manifest['onnx'] names its inputs and outputs); "
+                         "specfx.load runs format 'pt2' or 'aoti'")
     _check_formats([format], LOADABLE, "load")
     return load_artifact(Path(path), format, device)
 

@@ -193,6 +193,8 @@ def test_beyond_exported_shapes(loaded):
 def test_unknown_or_missing_format(artifact, fast, tmp_path):
     with pytest.raises(ValueError, match="unknown format tflite for load; expected pt2, aoti"):
         specfx.load(artifact, format="tflite")
+    with pytest.raises(ValueError, match="ONNX step runs under onnxruntime"):
+        specfx.load(artifact, format="onnx")
     with pytest.raises(ValueError, match="unknown format pt3 for export"):
         fast.export(tmp_path / "x", formats=("pt3",))
     with pytest.raises(ValueError, match="holds the formats pt2, onnx, not 'aoti'"):
