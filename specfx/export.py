@@ -278,12 +278,14 @@ def _copy_tokenizer_files(source: Path, out: Path) -> list[str]:
 
 
 def _previous_files(out: Path) -> list[str]:
-    """The files of the artifact in `out` (replaced by a new export); refuses any other non-empty folder."""
+    """The files of the artifact in `out` (a new export replaces them; none outside `out`); refuses any
+    other non-empty folder."""
     if not out.is_dir() or not any(out.iterdir()):
         return []
     if not (out / MANIFEST).is_file():
         raise ValueError(f"{out} is not empty and holds no {MANIFEST}; export into an empty or new folder")
-    return [*read_manifest(out).get("files", {}), MANIFEST]
+    inside = [f for f in read_manifest(out).get("files", {}) if (out / f).resolve().is_relative_to(out.resolve())]
+    return [*inside, MANIFEST]
 
 
 def _move_into(tmp: Path, out: Path, files: list[str], previous: list[str]) -> None:

@@ -205,6 +205,14 @@ def test_unknown_or_missing_format(artifact, fast, tmp_path):
         fast.export(tmp_path / "busy", formats=("pt2",))
 
 
+def test_export_replaces_a_previous_artifact(copy, fast):
+    assert (copy / "onnx" / "step.onnx").is_file()
+    manifest = fast.export(copy, formats=("pt2",))
+    assert manifest["formats"] == ["pt2"] and not (copy / "onnx" / "step.onnx").exists()
+    out = specfx.load(copy).generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out, fast.generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[]))
+
+
 # --- CLI ---
 
 
