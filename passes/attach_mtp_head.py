@@ -12,17 +12,17 @@ from specfx.passes.infra import Pass, PassResult
 class AttachMTPHead(Pass):
     """Add the last layer's residual output (h, before the final norm) as an output for the head.
 
-    The head itself (`specfx.mtp.StaticHead`) is captured as its own graph over its own KV
-    buffer: the step calls it k times to draft and once more over the verified positions, and
-    `fuse_spec_step` inlines every call. This pass checks the head fits the graph (hidden size
-    and vocabulary) and makes the verify graph return `(logits, hidden)`.
+    The head itself (`specfx.mtp.StaticHead`, which shares the model's embedding and lm_head)
+    is captured as its own graph over its own KV buffer: the step calls it k times to draft and
+    once more over the verified positions, and `fuse_spec_step` inlines every call. This pass
+    checks the head reads hidden states of this graph's width and makes the verify graph
+    return `(logits, hidden)`.
     """
 
-    def __init__(self, structure: StructureMap, *, head_hidden_size: int, head_vocab_size: int):
-        if (head_hidden_size, head_vocab_size) != (structure.hidden_size, structure.vocab_size):
-            raise ValueError(
-                f"MTP head does not fit this model: head hidden size {head_hidden_size}, vocab "
-                f"{head_vocab_size}; model hidden size {structure.hidden_size}, vocab {structure.vocab_size}")
+    def __init__(self, structure: StructureMap, *, head_hidden_size: int):
+        if head_hidden_size != structure.hidden_size:
+            raise ValueError(f"MTP head does not fit this model: it reads hidden states of size "
+                             f"{head_hidden_size}, the model's are {structure.hidden_size}")
         self.structure = structure
 
     def call(self, gm: fx.GraphModule) -> PassResult:

@@ -3,7 +3,8 @@
 - `Runtime(graphs, backend=..., sync_every=N)` compiles the prefill graph(s) and the fused step.
 - `Runtime.generate(prompts, max_new_tokens, eos_ids, streamer)` returns the new tokens of each
   row and a `GenerationStats`. The host reads device state once after the first step (TTFT)
-  and then only every `sync_every` steps (done flags, and new tokens for the streamer).
+  and then at most every `sync_every` steps (done flags and lengths, and new tokens for the
+  streamer); near the end it reads sooner, so that no step runs once every row is done.
 - `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
 """
 
@@ -49,9 +50,10 @@ class Runtime:
             raise ValueError("cudagraphs=True needs the model on a CUDA device")
         self.cudagraphs = self.device.type == "cuda" and cudagraphs is not False
         self._graphed: dict[bool, GraphedStep] = {}
-        # The host reads the done flags through a pinned buffer with a non-blocking copy.
-        self._done_host = torch.empty(self.state.batch_size, dtype=torch.bool,
-                                      pin_memory=self.device.type == "cuda")
+        # The host reads done flags and lengths through pinned buffers with non-blocking copies.
+        pinned = self.device.type == "cuda"
+        self._done_host = torch.empty(self.state.batch_size, dtype=torch.bool, pin_memory=pinned)
+        self._lengths_host = torch.empty(self.state.batch_size, dtype=torch.long, pin_memory=pinned)
         self.draft_s: float | None = None
         self.verify_s: float | None = None
 
@@ -92,11 +94,16 @@ class Runtime:
             self._graphed[sample] = GraphedStep(fn, self.state, sample=sample).capture()
         return self._graphed[sample]
 
-    def all_done(self, rows: int) -> bool:
-        """Read the done flags (the loop's only sync point between steps)."""
+    def steps_left(self, limits: list[int]) -> int:
+        """Read done flags and lengths (the loop's only sync point between steps) and return a
+        lower bound on the steps until every row is done: 0 when all are, else the longest
+        remaining row over the most tokens one step emits (k+1). `limits`: each row's last length."""
         self._done_host.copy_(self.state.done, non_blocking=True)
+        self._lengths_host.copy_(self.state.lengths, non_blocking=True)
         _sync(self.device)
-        return bool(self._done_host[:rows].all())
+        done, lengths = self._done_host.tolist(), self._lengths_host.tolist()
+        left = [limit - n for limit, n, d in zip(limits, lengths, done) if not d]
+        return -(-max(left) // (self.graphs.k + 1)) if left else 0
 
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: list[int],
@@ -115,22 +122,23 @@ class Runtime:
             t0 = time.perf_counter()
             self.prefill(max(prompt_lens))
             step()
-            lengths = st.lengths.tolist()                             # sync: first tokens are ready
+            limits = [p + max_new_tokens for p in prompt_lens]
+            left = self.steps_left(limits)                            # sync: first tokens are ready
             t_first = time.perf_counter()
+            lengths = self._lengths_host.tolist()
             first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
             if streamer is not None:
                 self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
             steps = 1
             # Each step emits >= 1 token per active row, so max_new_tokens steps always suffice.
-            while steps < max_new_tokens:
-                n = min(self.sync_every, max_new_tokens - steps)
+            while steps < max_new_tokens and left > 0:
+                n = min(self.sync_every, max_new_tokens - steps, left)
                 for _ in range(n):
                     step()
                 steps += n
                 if streamer is not None:
                     self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
-                if self.all_done(len(prompts)):                     # sync every `sync_every` steps
-                    break
+                left = self.steps_left(limits)                        # sync at most every `sync_every` steps
             lengths = st.lengths.tolist()
             t_end = time.perf_counter()
         rows = self._collect(prompt_lens, lengths, max_new_tokens, eos)

@@ -100,6 +100,10 @@ class MTPHead:
     path: str | Path | None = None
     name = "mtp"
 
+    def __post_init__(self):
+        if self.path is not None and not isinstance(self.path, (str, Path)):
+            raise TypeError(f"MTPHead(path): expected a head folder or zoo name, got {type(self.path).__name__}")
+
     def __str__(self) -> str:
         return "mtp" if self.path is None else f"mtp:{self.path}"
 

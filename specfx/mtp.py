@@ -15,13 +15,15 @@ own g in place of h, so training also regresses g_i onto h_{i+1}.
 
 Checkpoints are a folder with `model.safetensors` (parameter names follow DeepSeek-V3's MTP
 layer: `enorm`, `hnorm`, `eh_proj`, `layers.0.*`, `norm`) and `config.json`, which records
-the target it was trained for (architecture, sizes and a fingerprint of its weights);
+the target it was trained for (architecture, sizes and a signature of its weights);
 `load_head` refuses a head trained for another target.
 
 - `new_head(target)`, `load_head(path, target)`, `save_head(head, path, target, info)`;
 - `StaticHead(target, head, batch_size, seq_len)`: the head over its own static KV buffer,
   `forward(input_ids, hidden, positions) -> (logits, g)`, ready for `torch.export`;
-- `final_hidden(target, input_ids)`: h for every position (training and tests).
+- `final_hidden(target, input_ids)`: h for every position (training and tests);
+- `target_signature(target)`: names, shapes and sampled values of its weights, recorded in
+  the head's config and compared (with a half-precision tolerance) at load.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from specfx.capture import _ScatterCache, kv_name, kv_shape, position_mask
 
 FORMAT = "specfx-mtp-head"
 FORMAT_VERSION = 1
+SAMPLES_PER_TENSOR = 4
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
@@ -101,27 +104,35 @@ def new_head(target: nn.Module) -> DraftHead:
     return head.to(param.device, param.dtype)
 
 
-def target_fingerprint(model: nn.Module) -> str:
-    """A short hash of the target's weights: names, shapes, and a strided sample of values.
-
-    Values are rounded to bfloat16 first, so a float32 target and its bf16 copy agree.
-    """
-    h = hashlib.sha256()
+def target_signature(model: nn.Module) -> dict:
+    """What identifies the target's weights: a hash of parameter names and shapes, and a few
+    values sampled from every tensor (compared with a tolerance, so the same model in float32,
+    bfloat16 or float16 matches and another model does not)."""
+    names, sample = hashlib.sha256(), []
     for name, t in sorted(model.state_dict().items()):
         flat = t.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 1024)][:1024].to(torch.bfloat16).to(torch.float32)
-        h.update(f"{name}:{tuple(t.shape)}".encode())
-        h.update(sample.cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+        names.update(f"{name}:{tuple(t.shape)};".encode())
+        idx = torch.linspace(0, flat.numel() - 1, SAMPLES_PER_TENSOR, device=flat.device).long()
+        sample.extend(round(v, 5) for v in flat[idx].float().tolist())
+    return {"shapes": names.hexdigest()[:16], "sample": sample}
+
+
+def same_weights(recorded: dict, actual: dict) -> bool:
+    """Whether two `target_signature`s are of the same weights, up to half-precision rounding."""
+    if recorded.get("shapes") != actual["shapes"] or len(recorded.get("sample", [])) != len(actual["sample"]):
+        return False
+    a, b = torch.tensor(recorded["sample"]), torch.tensor(actual["sample"])
+    return bool(torch.allclose(a, b, rtol=1e-2, atol=1e-3))
 
 
 def _target_record(target: nn.Module) -> dict:
     parts = target_parts(target)
     c = parts.config
+    name = getattr(c, "_name_or_path", "") or ""
     return {"model_type": getattr(c, "model_type", type(target).__name__), "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
-            "layer_type": type(parts.layers[0]).__name__, "fingerprint": target_fingerprint(target),
-            "name": getattr(c, "_name_or_path", "") or ""}
+            "layer_type": type(parts.layers[0]).__name__, "name": Path(name).name if name else "",
+            "weights": target_signature(target)}
 
 
 def save_head(head: DraftHead, out: str | Path, target: nn.Module, info: dict | None = None) -> Path:
@@ -165,11 +176,15 @@ def load_head(path: str | Path, target: nn.Module) -> DraftHead:
 
     config = read_head_config(path)
     recorded, actual = config.get("target", {}), _target_record(target)
-    for key in ("model_type", "hidden_size", "vocab_size", "layer_type", "fingerprint"):
+    who = actual["name"] or type(target).__name__
+    for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "layer_type"):
         if recorded.get(key) != actual[key]:
             raise ValueError(
                 f"MTP head {str(path)!r} was trained for another target: {key} is {recorded.get(key)!r} "
-                f"in the head, {actual[key]!r} in this model ({actual['name'] or type(target).__name__})")
+                f"in the head, {actual[key]!r} in this model ({who})")
+    if not same_weights(recorded.get("weights", {}), actual["weights"]):
+        raise ValueError(f"MTP head {str(path)!r} was trained for another target: the weights of this model "
+                         f"({who}) differ from those recorded in the head (trained for {recorded.get('name') or '?'})")
     try:
         state = load_file(str(Path(path) / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
@@ -187,16 +202,17 @@ def load_head(path: str | Path, target: nn.Module) -> DraftHead:
 class StaticHead(nn.Module):
     """The head over its own static KV buffer, sharing the target's embedding and lm_head.
 
-    `forward(input_ids [B, W], hidden [B, W, H], positions [B, W]) -> (logits [B, W, V], g [B, W, H])`:
-    row b's query j sits at head position `positions[b, j]` (the position of the hidden state
-    it reads) and sees the head's cache slots up to it.
+    `forward(input_ids [B, W], hidden [B, W, H], positions [B, W]) -> (logits [B, W, V], g [B, W, H])`
+    (just `(g,)` with `with_logits = False`): row b's query j sits at head position
+    `positions[b, j]` (the position of the hidden state it reads) and sees the head's cache
+    slots up to it.
     """
 
     def __init__(self, target: nn.Module, head: DraftHead, batch_size: int, max_seq_len: int):
         super().__init__()
         parts = target_parts(target)
         self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.with_logits = max_seq_len, True
         param = next(target.parameters())
         shape = kv_shape(parts.config, batch_size, max_seq_len)
         for kind in "kv":
@@ -212,6 +228,8 @@ class StaticHead(nn.Module):
                       position_embeddings=self.rotary(embeds, positions),
                       attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
                       cache=_ScatterCache(self, positions))
+        if not self.with_logits:             # refill and prefill only write the head's KV
+            return (g,)
         return self.lm_head(self.head.norm(g)), g
 
 

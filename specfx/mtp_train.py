@@ -16,6 +16,7 @@ held-out agreement with the target's greedy choice at the first draft position.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specfx.capture import position_mask
 from specfx.mtp import DraftHead, final_hidden, new_head, target_parts
 
 
@@ -62,9 +64,10 @@ def sample_windows(stream: torch.Tensor, count: int, seq_len: int, seed: int) ->
 def precompute(target, windows: torch.Tensor, *, batch_size: int = 8, progress=None) -> torch.Tensor:
     """The target's final hidden states [N, T, H] for token windows [N, T], in bfloat16."""
     target.eval()
+    device = next(target.parameters()).device
     out = []
     for i in range(0, windows.shape[0], batch_size):
-        out.append(final_hidden(target, windows[i : i + batch_size]).to(torch.bfloat16))
+        out.append(final_hidden(target, windows[i : i + batch_size].to(device)).to(torch.bfloat16))
         if progress is not None:
             progress(min(i + batch_size, windows.shape[0]))
     return torch.cat(out)
@@ -76,7 +79,9 @@ def head_loss(head: DraftHead, parts, ids: torch.Tensor, hidden: torch.Tensor, r
     embeds = parts.embed(ids[:, 1:])                                  # t_{i+1}, i = 0..T-2
     h = hidden[:, : T - 1].to(embeds.dtype)
     pos = torch.arange(T - 1, device=ids.device)[None].expand(ids.shape[0], -1)
-    g = head(embeds, h, position_ids=pos, position_embeddings=parts.rotary(embeds, pos))
+    # An explicit causal mask: not every attention backend infers one when given none.
+    g = head(embeds, h, position_ids=pos, position_embeddings=parts.rotary(embeds, pos),
+             attention_mask=position_mask(pos, T - 1, embeds.dtype))
     logits = parts.lm_head(head.norm(g)).float()
     with torch.no_grad():
         h_next = hidden[:, 1:].to(embeds.dtype)
@@ -109,7 +114,9 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
     for p, _ in frozen:
         p.requires_grad_(False)
     bar = _Progress(windows.shape[0] + cfg.steps) if progress else None
+    device = next(target.parameters()).device
     hidden = precompute(target, windows, progress=bar.precomputed if bar else None)
+    windows = windows.to(device)
     head = new_head(target).float().train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     curve: list[dict] = []
@@ -119,7 +126,7 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             idx = torch.randint(0, windows.shape[0], (cfg.batch_size,), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and windows.device.type == "cpu"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss, ce, agree = head_loss(head, parts, windows[idx], hidden[idx], cfg.regression_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -145,10 +152,11 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
 def evaluate_head(head: DraftHead, target, windows: torch.Tensor, *, batch_size: int = 8) -> dict:
     """Held-out: the head's cross-entropy against the target and its greedy agreement (draft 1)."""
     parts = target_parts(target)
-    head = head.to(next(target.parameters()).dtype)
+    param = next(target.parameters())
+    head = copy.deepcopy(head).to(param.dtype)                      # the caller's head stays as it is
     ce_sum, agree_sum, n = 0.0, 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
-        ids = windows[i : i + batch_size]
+        ids = windows[i : i + batch_size].to(param.device)
         _, ce, agree = head_loss(head, parts, ids, final_hidden(target, ids), 0.0)
         m = ids.shape[0] * (ids.shape[1] - 1)
         ce_sum, agree_sum, n = ce_sum + ce.item() * m, agree_sum + agree.item() * m, n + m

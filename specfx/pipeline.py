@@ -208,16 +208,17 @@ def _build_mtp(ctx: BuildContext):
     param = next(model.parameters())
     hidden_size = head.eh_proj.out_features
 
-    def cap(width: int, name: str) -> fx.GraphModule:
+    def cap(width: int, name: str, logits: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
+        static.with_logits = logits
         ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
         hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
         return pm.run_all([ShareKVBuffers()], export_graph(static, (ids, hidden, static_positions(B, width, param.device))),
                           graph=name)
 
-    draft, refill = cap(1, "draft"), cap(k + 1, "refill")
-    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size, head_vocab_size=s.vocab_size),
-                         ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
+    draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
+    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size), ShareKVBuffers()],
+                        ctx.target.capture(k + 1), graph="verify")
     nt = 2 * s.num_layers
     history = torch.zeros(ctx.batch_size, ctx.seq_len, s.hidden_size, dtype=param.dtype, device=param.device)
     ctx.extra_kv.extend([*static.kv(), history])

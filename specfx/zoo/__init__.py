@@ -39,7 +39,7 @@ def load(name: str, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = path(name)
+    p = resolve(name)
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype or torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(str(p))
 
@@ -69,8 +69,11 @@ def prompts(task: str = "completion") -> list[str]:
 
 
 def resolve(name_or_path: str) -> Path:
-    """A zoo name or a local checkpoint directory, as a directory path."""
+    """A zoo name or a local checkpoint directory of a model (not an MTP head), as a path."""
     p = Path(name_or_path)
-    if (p / "config.json").is_file():
-        return p
-    return path(name_or_path)
+    if not (p / "config.json").is_file():
+        p = path(name_or_path)
+    if json.loads((p / "config.json").read_text()).get("format") == "specfx-mtp-head":
+        raise ValueError(f"{name_or_path!r} is an MTP head, not a model: use it as a drafter, "
+                         f"draft='mtp:{name_or_path}' (specfx.MTPHead)")
+    return p

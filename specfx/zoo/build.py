@@ -253,7 +253,7 @@ def mtp_card(name: str, info: dict) -> str:
 An MTP/EAGLE-style draft head for `{info['target']}`, trained by `specfx train mtp --target {info['target']}`:
 `W·[RMSNorm(emb(t_(i+1))); RMSNorm(h_i)]` -> one `{info['target']}` decoder layer -> RMSNorm -> the
 target's own lm_head (the embedding and lm_head are the target's and are not stored here).
-`config.json` records the target it fits (sizes and a fingerprint of its weights).
+`config.json` records the target it fits (sizes and a signature of its weights).
 
 - parameters: {info['parameters']:,} (float32 safetensors)
 - training: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens over {cfg['windows']} precomputed
