@@ -39,6 +39,13 @@ def _propose(logits, sample: bool, noise, warping):
     return race(q, noise)[:, None], q
 
 
+def _verify(verify, tokens, last, drafts, offsets, max_pos: int, kv):
+    """The target over [pending token, drafts] at positions last..last+k: (its outputs, positions)."""
+    ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)      # [B, k+1]
+    pos = (last[:, None] + offsets).clamp(max=max_pos)                # [B, k+1]
+    return verify(ids, pos, *kv), pos
+
+
 def _accept(sample: bool, drafts, q, target_logits, uniforms, noise, warping):
     """(emitted, n): greedy acceptance, or rejection sampling against warp(target_logits)."""
     if not sample:
@@ -114,9 +121,9 @@ class PromptLookupStep(nn.Module):
                 uniforms, noise, temperature, top_k, top_p, kv):
         last = lengths - 1                                            # [B]
         drafts = ngram_propose(tokens, lengths, self.ngram, self.k)   # [B, k]
-        x = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)   # [B, k+1]
-        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
-        logits = self.target(x, pos, *[kv[i] for i in range(self.num_kv)])[0]   # [B, k+1, V]
+        out, _ = _verify(self.target, tokens, last, drafts, self.offsets, self.max_pos,
+                         [kv[i] for i in range(self.num_kv)])
+        logits = out[0]                                               # [B, k+1, V]
         # Deterministic drafts: q is one-hot.
         q = (drafts[..., None] == torch.arange(logits.shape[-1], device=logits.device)).float() \
             if self.sample else None
@@ -158,9 +165,8 @@ class DraftModelStep(nn.Module):
             if self.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)
-        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)
-        target_logits = self.verify(ids, pos, *kv_target)[0]          # [B, k+1, V]
+        target_logits = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos,
+                                kv_target)[0][0]                      # [B, k+1, V]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
@@ -205,8 +211,7 @@ class MTPStep(nn.Module):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
         warping = (temperature, top_k, top_p)
-        hpos = head_positions((last - 1)[:, None], self.max_pos)      # [B, 1]
-        h = _gather_hidden(history, hpos)                             # [B, 1, H]
+        h = _gather_hidden(history, head_positions((last - 1)[:, None], self.max_pos))   # [B, 1, H]
         drafts, qs = [], []
         for j in range(self.k):
             pos = head_positions((last - 1 + j)[:, None], self.max_pos)
@@ -215,9 +220,7 @@ class MTPStep(nn.Module):
             drafts.append(x)
             qs.append(q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)
-        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
-        out = self.verify(ids, pos, *kv_target)
+        out, pos = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, kv_target)
         target_logits, hidden = out[0], out[1]                        # [B, k+1, V], [B, k+1, H]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)

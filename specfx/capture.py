@@ -46,9 +46,11 @@ class _ScatterCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.owner.kv(layer_idx)
-        idx = self.positions[:, None, :, None].expand(key_states.shape)  # [B, H, W, D]
-        keys.scatter_(2, idx, key_states.to(keys.dtype))
-        values.scatter_(2, idx, value_states.to(values.dtype))
+        # keys[b, :, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
+        # writes in place (a scatter_ would copy the whole buffer and copy it back).
+        rows = torch.arange(keys.shape[0], device=keys.device)[:, None]        # [B, 1]
+        keys[rows, :, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, self.positions] = value_states.transpose(1, 2).to(values.dtype)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -189,3 +189,26 @@ def test_every_pass_is_registered_with_a_docstring():
     for name in expected:
         assert REGISTRY[name].summary(), name
         assert REGISTRY[name].kind in ("analysis", "rewrite")
+
+
+@pytest.mark.parametrize("draft", ["none", "early-exit:2", "ngram:2", "draft-model", "mtp"])
+def test_every_drafters_step_is_one_graph_without_host_sync(tmp_path, draft):
+    """check_no_host_sync on the fused greedy and sampling steps, and dynamo traces each with
+    no graph break (what `torch.compile(fullgraph=True)` needs)."""
+    import specfx
+    from specfx.mtp import new_head, save_head
+
+    model = tiny_model("llama", layers=L)
+    if draft == "draft-model":
+        draft = specfx.DraftModel(tiny_model("llama", layers=1, seed=3))
+    elif draft == "mtp":
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=2, max_seq_len=S, backend="eager")
+    g = fast.graphs
+    g.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
+    for step in (g.step, g.fused_sample_step()):
+        assert find_host_syncs(step) == []
+        torch._dynamo.reset()
+        explain = torch._dynamo.explain(step)(*g.state.step_args())
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+    torch._dynamo.reset()
