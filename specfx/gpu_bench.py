@@ -9,7 +9,8 @@ Two parts, each written to `OUT/gpu_bench.json` and printed:
    the launch overhead (wall minus kernels); tokens/s of HF `generate` with a static cache
    and `torch.compile(mode="reduce-overhead")`, specfx:none with a CUDA graph, and
    specfx:early-exit with and without one.
-2. `pycoder` (bf16) for acceptance: mean accepted tokens per call and tokens/s.
+2. `pycoder` (bf16) with every drafter (early exit, its MTP head, pycoder-draft, n-gram):
+   mean accepted tokens per call and tokens/s.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def pycoder_acceptance(max_new_tokens: int, num_prompts: int) -> dict:
     model = model.cuda()
     prompts = [tok(p, return_tensors="pt").input_ids.cuda() for p in zoo.prompts()[:num_prompts]]
     out = {}
-    for draft in ("none", "early-exit"):
+    for draft in ("none", "early-exit", "mtp", "draft-model:pycoder-draft", "ngram:3"):
         fast = specfx.compile(model, draft=draft, max_seq_len=512)
         acc, calls, new, t = 0.0, 0, 0, 0.0
         for ids in prompts:

@@ -1,4 +1,4 @@
-"""Helpers shared by CLI commands: load a model by zoo name or path, load prompts."""
+"""Helpers shared by CLI commands: load a model by zoo name or path, load prompts, show stats."""
 
 from __future__ import annotations
 
@@ -29,6 +29,22 @@ def load_prompts(file: str | None, limit: int | None = None, task: str = "comple
     if not prompts:
         raise ValueError(f"no prompts in {file}")
     return prompts[:limit] if limit else prompts
+
+
+def stats_table(stats, title: str = "last_stats"):
+    """A rich Table of a GenerationStats, one metric a row."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, val in stats.to_dict().items():
+        if isinstance(val, float):
+            val = f"{val:.4g}"
+        elif isinstance(val, list):
+            val = " ".join(f"{v:.2f}" for v in val) or "-"
+        table.add_row(key, str(val))
+    return table
 
 
 def console():

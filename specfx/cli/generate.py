@@ -25,7 +25,7 @@ def add_parser(sub):
 
 def run(args) -> int:
     from specfx.cli.common import console as console_
-    from rich.table import Table
+    from specfx.cli.common import stats_table
     from transformers import TextStreamer
 
     import specfx
@@ -40,14 +40,5 @@ def run(args) -> int:
     ids = tok(args.prompt, return_tensors="pt").input_ids
     fast.generate(ids, max_new_tokens=args.max_new_tokens, streamer=TextStreamer(tok))
     print()
-    table = Table(title="last_stats")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, val in fast.last_stats.to_dict().items():
-        if isinstance(val, float):
-            val = f"{val:.4g}"
-        elif isinstance(val, list):
-            val = " ".join(f"{v:.2f}" for v in val) or "-"
-        table.add_row(key, str(val))
-    console.print(table)
+    console.print(stats_table(fast.last_stats))
     return 0

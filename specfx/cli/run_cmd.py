@@ -100,6 +100,7 @@ def _print_tables(rows, since_start: float | None, since_enter: float, model) ->
     from rich.table import Table
 
     from specfx.cli.common import console as console_
+    from specfx.cli.common import stats_table
 
     console = console_()
     timing = Table(title="load to first token (wall clock, this process)")
@@ -115,13 +116,4 @@ def _print_tables(rows, since_start: float | None, since_enter: float, model) ->
         timing.add_row("[bold]`specfx run` -> first token[/] (no /proc: process start unknown)",
                        f"[bold]{since_enter:.2f}[/]")
     console.print(timing)
-    stats = Table(title=f"last_stats ({model.format}, {model.runtime.device})")
-    stats.add_column("metric")
-    stats.add_column("value", justify="right")
-    for key, val in model.last_stats.to_dict().items():
-        if isinstance(val, float):
-            val = f"{val:.4g}"
-        elif isinstance(val, list):
-            val = " ".join(f"{v:.2f}" for v in val) or "-"
-        stats.add_row(key, str(val))
-    console.print(stats)
+    console.print(stats_table(model.last_stats, f"last_stats ({model.format}, {model.runtime.device})"))
