@@ -1,7 +1,8 @@
 """`make demo`: the main job on the embedded model, offline.
 
 1. A short side-by-side benchmark on `pycoder` (held-out prompts, greedy): transformers'
-   `generate`, specfx without speculation, and specfx with LayerSkip early-exit speculation.
+   `generate`, specfx without speculation, with LayerSkip early-exit speculation and with
+   pycoder's MTP head.
 2. One completion streamed through the compiled speculative model, with its `last_stats`.
 """
 
@@ -23,14 +24,14 @@ def main(num_prompts: int = 6, max_new_tokens: int = 64) -> None:
     model, tok = zoo.load("pycoder")
     prompts = zoo.prompts("completion")[:num_prompts]
     out.rule("[bold]1. benchmark: pycoder, held-out prompts, greedy")
-    result = run_bench(model, tok, prompts, ["hf-greedy", "specfx:none", "specfx:early-exit"],
+    result = run_bench(model, tok, prompts, ["hf-greedy", "specfx:none", "specfx:early-exit", "specfx:mtp"],
                        model_name="pycoder", max_new_tokens=max_new_tokens, repeats=1, warmup=1,
                        log=lambda m: out.print(m, style="dim", markup=False))
     out.print(render(result))
     out.print("(printed by `make demo`; the full table comes from `specfx bench pycoder`)", style="dim")
 
-    out.rule("[bold]2. a completion, streamed by specfx (early exit)")
-    fast = specfx.compile(model, draft="early-exit", max_seq_len=result.settings["max_seq_len"])
+    out.rule("[bold]2. a completion, streamed by specfx (MTP head)")
+    fast = specfx.compile(model, draft="mtp", max_seq_len=result.settings["max_seq_len"])
     prompt = prompts[0]
     print(prompt, end="")
     sys.stdout.flush()
