@@ -8,7 +8,7 @@ How it measures (printed with every table):
 - TTFT = median over prompts of the time from the call to the first new token on the host;
 - exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
   (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
-- peak memory = CUDA allocator peak, or on CPU the process RSS peak sampled every 5 ms.
+- peak memory = CUDA allocator peak, or on CPU the process's peak RSS (kernel high-water mark).
 """
 
 from __future__ import annotations
