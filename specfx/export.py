@@ -29,7 +29,6 @@ CUDA graphs cannot be serialized: on CUDA, `load` captures the step before the f
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
