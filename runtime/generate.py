@@ -85,6 +85,12 @@ class Runtime:
         self.state.draw()
         self._sample_fn(*self.state.step_args())
 
+    def warmup(self) -> None:
+        """Prefill (over more than one chunk where the length allows) and two steps on a dummy
+        prompt, so compilation, or CUDA-graph capture, happens before the first real token."""
+        prompt = torch.zeros(min(self.graphs.prefill_chunk + 1, self.max_seq_len - 2), dtype=torch.long)
+        self.generate([prompt], max_new_tokens=2, eos_ids=[])
+
     def step_callable(self, sample: bool):
         """What one loop iteration calls: the step, or its CUDA-graph replay."""
         fn = self.sample_step if sample else self.step

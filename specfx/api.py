@@ -42,7 +42,7 @@ class SpeculativeModel:
         self.compile_s = 0.0
         if warmup and backend != "eager":
             t1 = time.perf_counter()
-            self._warmup()
+            self.runtime.warmup()
             self.compile_s = time.perf_counter() - t1
 
     @property
@@ -53,11 +53,6 @@ class SpeculativeModel:
     def defaults(self) -> GenerationDefaults:
         """EOS/pad ids and sampling settings from the model's configs, read at each call."""
         return GenerationDefaults.from_model(self.model)
-
-    def _warmup(self) -> None:
-        """Run prefill and two steps on a dummy prompt so compilation happens now."""
-        prompt = torch.zeros(min(self.graphs.prefill_chunk + 1, self.max_seq_len - 2), dtype=torch.long)
-        self.runtime.generate([prompt], max_new_tokens=2, eos_ids=[])
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 64, do_sample: bool = False, temperature: float | None = None,

@@ -65,8 +65,7 @@ class LoadedModel:
         self.shape = StaticShape(manifest["batch_size"], manifest["max_seq_len"], built="exported", remedy="export")
         self.last_stats: GenerationStats | None = None
         if self.runtime.cudagraphs:           # capture the greedy step's CUDA graph before the first token
-            prompt = torch.zeros(min(programs.prefill_chunk + 1, self.shape.max_seq_len - 2), dtype=torch.long)
-            self.runtime.generate([prompt], max_new_tokens=2, eos_ids=[])
+            self.runtime.warmup()
 
     @property
     def num_speculative_tokens(self) -> int:

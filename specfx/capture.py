@@ -61,6 +61,11 @@ class _ScatterCache(Cache):
         return True
 
 
+def text_config(model: nn.Module):
+    """The config of the model's language part (the model's own config for a text-only model)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def position_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask [B, 1, W, S]: the query at position p sees cache slots <= p."""
     slots = torch.arange(seq_len, device=positions.device)
@@ -75,7 +80,7 @@ class StaticDecoder(nn.Module):
     def __init__(self, model: nn.Module, batch_size: int, max_seq_len: int, dtype=None):
         super().__init__()
         self.model = model
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         self.num_layers = config.num_hidden_layers
         self.max_seq_len = max_seq_len
         dtype = dtype or next(model.parameters()).dtype

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfx.capture import _ScatterCache, kv_name, kv_shape, position_mask
+from specfx.capture import _ScatterCache, kv_name, kv_shape, position_mask, text_config
 
 FORMAT = "specfx-mtp-head"
 FORMAT_VERSION = 1
@@ -60,7 +60,7 @@ class TargetParts:
 
 def target_parts(model: nn.Module) -> TargetParts:
     """Find the embedding, lm_head, rotary embedding, decoder layers and final norm of `model`."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     found = {
         "embedding (get_input_embeddings)": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
@@ -95,10 +95,15 @@ class DraftHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+def _empty_head(parts: TargetParts) -> DraftHead:
+    """A head shaped for the target: its decoder layer and norms of the target's own classes."""
+    return DraftHead(parts.config, type(parts.layers[0]), type(parts.norm))
+
+
 def new_head(target: nn.Module) -> DraftHead:
     """A fresh head for `target`; its layer starts as a copy of the target's last layer."""
     parts = target_parts(target)
-    head = DraftHead(parts.config, type(parts.layers[0]), type(parts.norm))
+    head = _empty_head(parts)
     head.layers[0].load_state_dict(parts.layers[-1].state_dict())
     param = next(target.parameters())
     return head.to(param.device, param.dtype)
@@ -189,8 +194,7 @@ def load_head(path: str | Path, target: nn.Module) -> DraftHead:
         state = load_file(str(Path(path) / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"MTP head {str(path)!r}: {WEIGHTS} is corrupt ({e})") from None
-    parts = target_parts(target)
-    head = DraftHead(parts.config, type(parts.layers[0]), type(parts.norm))
+    head = _empty_head(target_parts(target))
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
