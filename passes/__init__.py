@@ -12,10 +12,11 @@ from specfx.passes.find_structure import FindStructure, StructureError, Structur
 from specfx.passes.fuse_spec_step import FuseSpecStep
 from specfx.passes.infra import REGISTRY, Pass, PassError, PassManager, PassRecord, PassResult
 from specfx.passes.share_kv_buffers import ShareKVBuffers
+from specfx.passes.skinny_matmul import Choice, SkinnyMatmul
 from specfx.passes.truncate_at_exit import TruncateAtExit
 
 __all__ = [
-    "AttachEarlyExit", "AttachMTPHead", "CheckNoHostSync", "CutAtExit", "FindStructure", "FuseSpecStep", "Pass", "PassError",
-    "PassManager", "PassRecord", "PassResult", "REGISTRY", "ShareKVBuffers", "StructureError",
+    "AttachEarlyExit", "AttachMTPHead", "CheckNoHostSync", "Choice", "CutAtExit", "FindStructure", "FuseSpecStep", "Pass", "PassError",
+    "PassManager", "PassRecord", "PassResult", "REGISTRY", "ShareKVBuffers", "SkinnyMatmul", "StructureError",
     "StructureMap", "TruncateAtExit", "check_exit_layer", "find_host_syncs", "find_structure",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:
@@ -76,3 +78,23 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def insert_call(gm: fx.GraphModule, target, args: tuple) -> fx.Node:
+    """A new `call_function` node at the graph's insertion point, with `meta["val"]` computed
+    from its inputs' values (under their fake mode), as the other nodes carry."""
+    node = gm.graph.call_function(target, args)
+    vals = fx.node.map_arg(args, lambda n: n.meta.get("val"))
+    mode = detect_fake_mode(_tensors(vals))
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*vals)
+    return node
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

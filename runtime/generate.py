@@ -16,16 +16,12 @@ import time
 import torch
 from torch import fx
 
+from specfx.runtime.compile import compile_graph
 from specfx.runtime.cudagraph import GraphedStep
 from specfx.runtime.memory import PeakMemory
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 
-
-def compile_graph(gm: fx.GraphModule, backend: str):
-    """The callable that runs `gm`: itself for backend="eager", else `torch.compile`d."""
-    if backend == "eager":
-        return gm
-    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+SPAN_ALIGN = 64      # attention spans are whole blocks of slots
 
 
 def _sync(device: torch.device) -> None:
@@ -42,13 +38,16 @@ class Runtime:
         if cudagraphs not in ("auto", True, False):
             raise ValueError(f"cudagraphs must be 'auto', True or False, got {cudagraphs!r}")
         self.graphs, self.state, self.backend, self.sync_every = graphs, graphs.state, backend, sync_every
-        self.prefill_fns = [(compile_graph(p.gm, backend), p.kv) for p in graphs.prefills]
-        self.step_fn = compile_graph(graphs.step, backend)
-        self._sample_fn = None
         self.device = self.state.tokens.device
         if cudagraphs is True and self.device.type != "cuda":
             raise ValueError("cudagraphs=True needs the model on a CUDA device")
         self.cudagraphs = self.device.type == "cuda" and cudagraphs is not False
+        # On the CPU attention reads only the slots that positions can reach (chosen here at
+        # each sync point); a CUDA graph needs fixed shapes, so there it reads the whole cache.
+        self.live_span = self.device.type != "cuda"
+        self.prefill_fns = [(self._compile(p.gm), p.kv) for p in graphs.prefills]
+        self.step_fn = self._compile(graphs.step)
+        self._sample_fn = None
         self._graphed: dict[bool, GraphedStep] = {}
         # The host reads done flags and lengths through pinned buffers with non-blocking copies.
         pinned = self.device.type == "cuda"
@@ -56,6 +55,9 @@ class Runtime:
         self._lengths_host = torch.empty(self.state.batch_size, dtype=torch.long, pin_memory=pinned)
         self.draft_s: float | None = None
         self.verify_s: float | None = None
+
+    def _compile(self, gm: fx.GraphModule):
+        return compile_graph(gm, self.backend, dynamic_span=self.live_span)
 
     @property
     def max_seq_len(self) -> int:
@@ -70,18 +72,33 @@ class Runtime:
             pos = torch.arange(c * C, (c + 1) * C, device=self.device).clamp(max=st.seq_len - 1)
             pos = pos.expand(B, C).contiguous()                       # [B, C]
             ids = st.tokens.gather(1, pos)
+            self.cover((c + 1) * C)
             for fn, kv in self.prefill_fns:                           # target, then a draft model
-                fn(ids, pos, *st.kv[kv])
+                fn(ids, pos, st.span, *st.kv[kv])
+
+    def cover(self, positions: int, steps: int = 0) -> None:
+        """Make attention span every position below `positions` and those that `steps` more
+        steps can reach (each advances a row by at most k+1 and looks k+1 ahead)."""
+        st, k = self.state, self.graphs.k
+        if not self.live_span:
+            st.set_span(st.seq_len)
+            return
+        reach = positions + steps * (k + 1) + (k + 1 if steps else 0)
+        st.set_span(-(-reach // SPAN_ALIGN) * SPAN_ALIGN)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, sample: bool = False) -> None:
+        """One step outside `generate` (a test, a profile): the span is set from the lengths first."""
+        self.cover(int(self.state.lengths.max()), steps=1)
+        (self._sample_step if sample else self._step)()
+
+    def _step(self) -> None:
         self.step_fn(*self.state.step_args())
 
-    @torch.no_grad()
-    def sample_step(self) -> None:
+    def _sample_step(self) -> None:
         """Draw this step's random numbers from the state's generator, then run the step."""
         if self._sample_fn is None:
-            self._sample_fn = compile_graph(self.graphs.fused_sample_step(), self.backend)
+            self._sample_fn = self._compile(self.graphs.fused_sample_step())
         self.state.draw()
         self._sample_fn(*self.state.step_args())
 
@@ -92,8 +109,8 @@ class Runtime:
         self.generate([prompt], max_new_tokens=2, eos_ids=[])
 
     def step_callable(self, sample: bool):
-        """What one loop iteration calls: the step, or its CUDA-graph replay."""
-        fn = self.sample_step if sample else self.step
+        """What one loop iteration calls: the step, or its CUDA-graph replay (the loop sets the span)."""
+        fn = self._sample_step if sample else self._step
         if not self.cudagraphs:
             return fn
         if sample not in self._graphed:
@@ -127,6 +144,7 @@ class Runtime:
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
             self.prefill(max(prompt_lens))
+            self.cover(max(prompt_lens), steps=1)
             step()
             limits = [p + max_new_tokens for p in prompt_lens]
             left = self.steps_left(limits)                            # sync: first tokens are ready
@@ -139,6 +157,7 @@ class Runtime:
             # Each step emits >= 1 token per active row, so max_new_tokens steps always suffice.
             while steps < max_new_tokens and left > 0:
                 n = min(self.sync_every, max_new_tokens - steps, left)
+                self.cover(max(self._lengths_host.tolist()), steps=n)
                 for _ in range(n):
                     step()
                 steps += n
@@ -192,6 +211,7 @@ class Runtime:
         """
         st, g = self.state, self.graphs
         last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
+        self.cover(int(st.lengths.max()), steps=1)
         self.draft_s, exit_hidden = 0.0, None
         for name, calls in g.draft_calls.items():
             fn, args = self._profile_call(name, last, exit_hidden)
@@ -210,7 +230,7 @@ class Runtime:
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
         width = next(n.meta["val"].shape[1] for n in inputs if n.name == "positions")
         pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
-        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos)}
+        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos), "span": st.span}
         if exit_hidden is not None:
             values["exit_hidden"] = exit_hidden.expand(-1, width, -1).contiguous()
         args = []
@@ -219,7 +239,7 @@ class Runtime:
                 val = n.meta["val"]
                 values[n.name] = torch.zeros(val.shape, dtype=val.dtype, device=self.device)
             args.append(values[n.name])
-        return compile_graph(gm, self.backend), (*args, *kv)
+        return self._compile(gm), (*args, *kv)
 
 
 def _median_time(fn, repeats: int, device) -> float:

@@ -14,7 +14,7 @@ import torch
 
 MAX_EOS_IDS = 8
 STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist",
-               "uniforms", "noise", "temperature", "top_k", "top_p")
+               "uniforms", "noise", "temperature", "top_k", "top_p", "span")
 
 
 @dataclass
@@ -30,8 +30,10 @@ class StaticState:
     temperature: torch.Tensor  # [1] float
     top_k: torch.Tensor        # [1] long, 0: off
     top_p: torch.Tensor        # [1] float, 1: off
-    kv: list[torch.Tensor]     # per layer: key, value [B, H, S, D]
+    spans: torch.Tensor        # [S] uint8: `span` is a view of its first L entries
+    kv: list[torch.Tensor]     # per layer: key, value [B, S + 1, H, D]
     generator: torch.Generator | None = None
+    span: torch.Tensor | None = None   # [L]: attention reads slots 0..L-1 (only its length matters)
 
     @classmethod
     def allocate(cls, *, batch_size: int, seq_len: int, k: int, vocab_size: int,
@@ -43,15 +45,28 @@ class StaticState:
             accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
             noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
             temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
-            kv=kv, generator=torch.Generator(device=device),
+            spans=z(seq_len, dt=torch.uint8), kv=kv, generator=torch.Generator(device=device),
         )
+
+    def __post_init__(self):
+        if self.span is None:
+            self.span = self.spans
+
+    def set_span(self, length: int) -> None:
+        """Attention reads cache slots 0..length-1 (clamped to the cache) until the next call.
+
+        The caller guarantees that no query of the steps it runs before then sits at a position
+        >= length; the runtime sets it at its sync points, where it knows every row's length."""
+        length = max(2, min(int(length), self.seq_len))
+        if length != self.span.shape[0]:
+            self.span = self.spans[:length]
 
     def step_args(self) -> tuple:
         """Arguments of the fused step, in its signature's order."""
         return tuple(getattr(self, name) for name in STEP_INPUTS) + (self.kv,)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "generator")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "generator", "span")}
         out.update({f"kv_{i}": t for i, t in enumerate(self.kv)})
         return out
 

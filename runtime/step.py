@@ -39,11 +39,11 @@ def _propose(logits, sample: bool, noise, warping):
     return race(q, noise)[:, None], q
 
 
-def _verify(verify, tokens, last, drafts, offsets, max_pos: int, kv):
+def _verify(verify, tokens, last, drafts, offsets, max_pos: int, span, kv):
     """The target over [pending token, drafts] at positions last..last+k: (its outputs, positions)."""
     ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)      # [B, k+1]
     pos = (last[:, None] + offsets).clamp(max=max_pos)                # [B, k+1]
-    return verify(ids, pos, *kv), pos
+    return verify(ids, pos, span, *kv), pos
 
 
 def _accept(sample: bool, drafts, q, target_logits, uniforms, noise, warping):
@@ -63,10 +63,10 @@ class DecodeStep(nn.Module):
         self.target, self.num_kv, self.max_pos, self.sample = target, num_kv, max_pos, sample
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, kv):
+                uniforms, noise, temperature, top_k, top_p, span, kv):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
-        logits = self.target(x, last[:, None], *[kv[i] for i in range(self.num_kv)])[0]
+        logits = self.target(x, last[:, None], span, *[kv[i] for i in range(self.num_kv)])[0]
         emitted = _propose(logits[:, -1], self.sample, noise[:, 0], (temperature, top_k, top_p))[0]
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
 
@@ -83,7 +83,7 @@ class EarlyExitStep(nn.Module):
         self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, kv):
+                uniforms, noise, temperature, top_k, top_p, span, kv):
         split = 2 * self.exit_layer
         kv_draft = [kv[i] for i in range(split)]
         kv_verify = [kv[i] for i in range(split, 2 * self.num_layers)]
@@ -94,14 +94,14 @@ class EarlyExitStep(nn.Module):
         # k+1 draft passes: the last one only computes the exit hidden state of draft k.
         for j in range(self.k + 1):
             pos = (last + j).clamp(max=self.max_pos)[:, None]         # [B, 1]
-            out = self.draft(x, pos, *kv_draft)
+            out = self.draft(x, pos, span, *kv_draft)
             hidden.append(out[1])                                     # [B, 1, H]
             if j < self.k:
                 x, q = _propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
                 drafts.append(x)
                 qs.append(q)
         pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
-        target_logits = self.verify(torch.cat(hidden, 1), pos, *kv_verify)[0]
+        target_logits = self.verify(torch.cat(hidden, 1), pos, span, *kv_verify)[0]
         emitted, n = _accept(self.sample, torch.cat(drafts, 1), torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
@@ -118,10 +118,10 @@ class PromptLookupStep(nn.Module):
         self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, kv):
+                uniforms, noise, temperature, top_k, top_p, span, kv):
         last = lengths - 1                                            # [B]
         drafts = ngram_propose(tokens, lengths, self.ngram, self.k)   # [B, k]
-        out, _ = _verify(self.target, tokens, last, drafts, self.offsets, self.max_pos,
+        out, _ = _verify(self.target, tokens, last, drafts, self.offsets, self.max_pos, span,
                          [kv[i] for i in range(self.num_kv)])
         logits = out[0]                                               # [B, k+1, V]
         # Deterministic drafts: q is one-hot.
@@ -146,7 +146,7 @@ class DraftModelStep(nn.Module):
         self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, kv):
+                uniforms, noise, temperature, top_k, top_p, span, kv):
         kv_target = [kv[i] for i in range(self.num_kv_target)]
         kv_draft = [kv[i] for i in range(self.num_kv_target, self.num_kv_target + self.num_kv_draft)]
         last = lengths - 1                                            # [B]
@@ -157,7 +157,7 @@ class DraftModelStep(nn.Module):
         for j in range(self.k + 1):
             pos = (last + j).clamp(max=self.max_pos)[:, None]
             # A target token past the draft's vocab (padding) must not index out of its embedding.
-            logits = self.draft(x.clamp(max=self.max_draft_id), pos, *kv_draft)[0][:, -1, : self.vocab]
+            logits = self.draft(x.clamp(max=self.max_draft_id), pos, span, *kv_draft)[0][:, -1, : self.vocab]
             if j == self.k:
                 break
             x, q = _propose(logits, self.sample, noise[:, j, : self.vocab], warping)
@@ -165,7 +165,7 @@ class DraftModelStep(nn.Module):
             if self.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        target_logits = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos,
+        target_logits = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, span,
                                 kv_target)[0][0]                      # [B, k+1, V]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
@@ -205,7 +205,7 @@ class MTPStep(nn.Module):
         self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, kv):
+                uniforms, noise, temperature, top_k, top_p, span, kv):
         kv_target = [kv[i] for i in range(self.nt)]
         head_kv, history = (kv[self.nt], kv[self.nt + 1]), kv[self.nt + 2]
         last = lengths - 1                                            # [B]
@@ -215,25 +215,25 @@ class MTPStep(nn.Module):
         drafts, qs = [], []
         for j in range(self.k):
             pos = head_positions((last - 1 + j)[:, None], self.max_pos)
-            logits, h = self.head(x, h, pos, *head_kv)
+            logits, h = self.head(x, h, pos, span, *head_kv)
             x, q = _propose(logits[:, -1], self.sample, noise[:, j], warping)
             drafts.append(x)
             qs.append(q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        out, pos = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, kv_target)
+        out, pos = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, span, kv_target)
         target_logits, hidden = out[0], out[1]                        # [B, k+1, V], [B, k+1, H]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
         _scatter_hidden(history, pos, hidden)
         # Refill: the token after position p is emitted[p - last] for every kept p.
-        self.refill(emitted, hidden, pos, *head_kv)
+        self.refill(emitted, hidden, pos, span, *head_kv)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
 
 class MTPPrefill(nn.Module):
     """The target's prefill, then the head's over the same chunk (its KV from h, shifted by one).
 
-    `forward(input_ids [B, C], positions [B, C], *kv) -> (hidden,)`; `kv` as in `MTPStep`.
+    `forward(input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)`; `kv` as in `MTPStep`.
     Head position p reads (t_{p+1}, h_p): for this chunk's tokens at positions p+1 that is
     p = positions - 1, with h_{p} from the history (the previous chunk wrote the first one).
     """
@@ -242,12 +242,12 @@ class MTPPrefill(nn.Module):
         super().__init__()
         self.target, self.head, self.nt, self.max_pos = target, head, num_kv_target, max_pos
 
-    def forward(self, input_ids, positions, *kv):
-        hidden = self.target(input_ids, positions, *[kv[i] for i in range(self.nt)])[0]
+    def forward(self, input_ids, positions, span, *kv):
+        hidden = self.target(input_ids, positions, span, *[kv[i] for i in range(self.nt)])[0]
         history = kv[self.nt + 2]
         _scatter_hidden(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)
-        self.head(input_ids, _gather_hidden(history, hpos), hpos, kv[self.nt], kv[self.nt + 1])
+        self.head(input_ids, _gather_hidden(history, hpos), hpos, span, kv[self.nt], kv[self.nt + 1])
         return (hidden,)
 
 

@@ -27,13 +27,13 @@ class SpeculativeModel:
 
     def __init__(self, model, *, draft=None, num_speculative_tokens: int | None = None,
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto"):
+                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
         self.model = model.eval()
         k = num_speculative_tokens if num_speculative_tokens is not None else \
             default_num_speculative_tokens(model, 4)
         t0 = time.perf_counter()
         self.graphs = pipeline.build(model, parse_draft(draft), k=k, batch_size=batch_size,
-                                     max_seq_len=max_seq_len)
+                                     max_seq_len=max_seq_len, matmul=matmul_plan(model, backend, skinny_matmul))
         self.drafter = self.graphs.drafter
         self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every, cudagraphs=cudagraphs)
         self.capture_s = time.perf_counter() - t0
@@ -94,16 +94,18 @@ class SpeculativeModel:
 
 def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None,
             max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-            sync_every: int = 8, warmup: bool = True, cudagraphs="auto"):
+            sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
     `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4. With
     `warmup=False` compilation happens at the first `generate` instead of here. On CUDA the
     step is captured as one CUDA graph (`cudagraphs="auto"`; False turns it off).
+    `skinny_matmul` rewrites few-row matmuls where a measurement on this machine says the
+    rewrite is faster (None: on for Inductor on the CPU; see `specfx.matmul_choice`).
     """
     kwargs = dict(draft=draft, num_speculative_tokens=num_speculative_tokens, max_seq_len=max_seq_len,
                   batch_size=batch_size, backend=backend, sync_every=sync_every, warmup=warmup,
-                  cudagraphs=cudagraphs)
+                  cudagraphs=cudagraphs, skinny_matmul=skinny_matmul)
     if model is None:
         def decorator(fn_or_model):
             m = fn_or_model() if callable(fn_or_model) and not isinstance(fn_or_model, torch.nn.Module) \
@@ -111,3 +113,12 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
             return SpeculativeModel(m, **kwargs)
         return decorator
     return SpeculativeModel(model, **kwargs)
+
+
+def matmul_plan(model, backend: str, skinny_matmul: bool | None):
+    """The skinny-matmul choice for this model, or None where the rewrite is off."""
+    from specfx.matmul_choice import MatmulPlan
+
+    if skinny_matmul is None:
+        skinny_matmul = backend == "inductor" and next(model.parameters()).device.type == "cpu"
+    return MatmulPlan(list(model.parameters())) if skinny_matmul else None

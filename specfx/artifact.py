@@ -25,7 +25,7 @@ from specfx.runtime.generate import Runtime
 from specfx.runtime.state import STEP_INPUTS, StaticState
 from specfx.runtime.stats import GenerationStats
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LOADABLE = ("pt2", "aoti")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"

@@ -5,8 +5,10 @@
   positions alone: query at position p sees slots <= p. Rows may sit at different lengths, and
   slots beyond a row's length (rejected drafts) are masked without ever being cropped.
 - `capture(model, width=W, ...)` runs `torch.export` at one fixed query width and returns the
-  unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W]) -> logits [B, W, V]`)
-  with its `StructureMap` (see `specfx.passes.find_structure`).
+  unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W], span [L]) -> logits
+  [B, W, V]`) with its `StructureMap` (see `specfx.passes.find_structure`). Attention reads
+  cache slots 0..L-1; L, the length of `span`, is the graph's one dynamic size (see
+  `specfx.attention`).
 
 Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
 past_key_values, use_cache` and calls `cache.update(k, v, layer_idx)` can be captured; that is
@@ -21,6 +23,7 @@ import torch
 from torch import fx, nn
 from transformers.cache_utils import Cache
 
+from specfx import attention
 from specfx.passes.find_structure import StructureMap, find_structure
 
 KV_PREFIX = "kv_"
@@ -32,10 +35,14 @@ def kv_name(kind: str, layer: int) -> str:
 
 
 def kv_shape(config, batch_size: int, max_seq_len: int) -> tuple[int, int, int, int]:
-    """[B, H_kv, S, D] of one layer's key (or value) buffer."""
+    """[B, S, H_kv, D] of one layer's key (or value) buffer.
+
+    Position-major: the slots an attention span reads are one contiguous block whatever
+    `max_seq_len` is, and one position's keys of every head are written together.
+    """
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (batch_size, heads, max_seq_len, head_dim)
+    return (batch_size, max_seq_len, heads, head_dim)
 
 
 class _ScatterCache(Cache):
@@ -45,13 +52,13 @@ class _ScatterCache(Cache):
         self.owner, self.positions, self.layers = owner, positions, []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.owner.kv(layer_idx)
-        # keys[b, :, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
+        keys, values = self.owner.kv(layer_idx)                                 # [B, S, H, D]
+        # keys[b, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
         # writes in place (a scatter_ would copy the whole buffer and copy it back).
         rows = torch.arange(keys.shape[0], device=keys.device)[:, None]        # [B, 1]
-        keys[rows, :, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, :, self.positions] = value_states.transpose(1, 2).to(values.dtype)
-        return keys, values
+        keys[rows, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, self.positions] = value_states.transpose(1, 2).to(values.dtype)
+        return keys.transpose(1, 2), values.transpose(1, 2)                     # [B, H, S, D] views
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -75,9 +82,14 @@ def position_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> 
 
 
 class StaticDecoder(nn.Module):
-    """A causal LM over static KV buffers; `forward(input_ids, positions) -> logits`."""
+    """A causal LM over static KV buffers; `forward(input_ids, positions, span) -> logits`.
 
-    def __init__(self, model: nn.Module, batch_size: int, max_seq_len: int, dtype=None):
+    Positions run up to `max_seq_len - 1`. Attention is computed as products and sums on the
+    CPU and by SDPA elsewhere (`reduce_attention`; see `specfx.attention`).
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_seq_len: int, dtype=None,
+                 reduce_attention: bool | None = None):
         super().__init__()
         self.model = model
         config = text_config(model)
@@ -85,7 +97,8 @@ class StaticDecoder(nn.Module):
         self.max_seq_len = max_seq_len
         dtype = dtype or next(model.parameters()).dtype
         device = next(model.parameters()).device
-        shape = kv_shape(config, batch_size, max_seq_len)
+        self.reduce_attention = device.type == "cpu" if reduce_attention is None else reduce_attention
+        shape = kv_shape(config, batch_size, kv_slots(max_seq_len))
         for i in range(self.num_layers):
             for kind in "kv":
                 self.register_buffer(kv_name(kind, i), torch.zeros(shape, dtype=dtype, device=device),
@@ -94,12 +107,13 @@ class StaticDecoder(nn.Module):
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, kv_name("k", layer)), getattr(self, kv_name("v", layer))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
         mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
-        out = self.model(
-            input_ids=input_ids, position_ids=positions, attention_mask=mask,
-            past_key_values=_ScatterCache(self, positions), use_cache=True,
-        )
+        with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention):
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                past_key_values=_ScatterCache(self, positions), use_cache=True,
+            )
         return out.logits
 
 
@@ -121,7 +135,7 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     device = decoder.kv(0)[0].device
     ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
     pos = static_positions(batch_size, width, device)
-    gm = export_graph(decoder, (ids, pos))
+    gm = export_graph(decoder, (ids, pos, example_span(max_seq_len, device)), span_arg=2)
     structure = find_structure(gm)
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
 
@@ -131,14 +145,34 @@ def static_positions(batch_size: int, width: int, device) -> torch.Tensor:
     return torch.arange(width, device=device).expand(batch_size, width).contiguous()
 
 
-def export_graph(module: nn.Module, args: tuple) -> fx.GraphModule:
-    """`torch.export` `module` at the shapes of `args` into a plain GraphModule."""
+def kv_slots(seq_len: int) -> int:
+    """Slots of a KV buffer for positions 0..seq_len-1: one spare, so that no attention span
+    (at most seq_len) is the whole buffer, a case torch.export would specialize."""
+    return seq_len + 1
+
+
+def example_span(seq_len: int, device) -> torch.Tensor:
+    """An example `span` input for capture; its length is made dynamic, 2..seq_len."""
+    return torch.zeros(max(2, seq_len // 2), dtype=torch.uint8, device=device)
+
+
+def export_graph(module: nn.Module, args: tuple, *, span_arg: int | None = None) -> fx.GraphModule:
+    """`torch.export` `module` at the shapes of `args` into a plain GraphModule; the length of
+    `args[span_arg]` stays symbolic (2..seq_len), every other size is static."""
     import warnings
 
+    dynamic = None
+    if span_arg is not None:
+        span = torch.export.Dim("span", min=2, max=_span_max(module))
+        dynamic = tuple({0: span} if i == span_arg else None for i in range(len(args)))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
-        ep = torch.export.export(module, args, strict=False)
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
     return _plain_graph(ep.module())
+
+
+def _span_max(module: nn.Module) -> int:
+    return module.max_seq_len
 
 
 def _plain_graph(gm: fx.GraphModule) -> fx.GraphModule:

@@ -11,7 +11,9 @@ The folder (DESIGN.md, "Artifacts"):
     onnx/step.onnx        the greedy step with the state as inputs and the written state as outputs
 
 Programs keep the runtime's calling convention and write the state in place: a prefill is
-`(input_ids [B, C], positions [B, C], *kv) -> (hidden,)`, a step `(*STEP_INPUTS, kv) -> ()`.
+`(input_ids [B, C], positions [B, C], span [L], *kv) -> (hidden,)`, a step `(*STEP_INPUTS, kv)
+-> ()`. The attention span's length L (2..seq_len, see `specfx.attention`) stays dynamic in
+every program, as in the runtime's own graphs.
 torch.export keeps in-place writes to inputs (`ep.module()` performs them) and AOTInductor
 writes into the input buffers too, so both plug into `Runtime` as they are. ONNX has no in-place
 writes: its step clones the state, runs, and returns what it wrote (manifest["onnx"] pairs them).
@@ -70,7 +72,10 @@ def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
     """Every file of the artifact, manifest last, into the empty folder `out`."""
     graphs, state = spec_model.graphs, spec_model.graphs.state
     programs = _programs(graphs)
-    eps = {name: torch.export.export(_lean(gm), args, strict=False) for name, (gm, args, _) in programs.items()}
+    eps = {}
+    for name, (gm, args, _) in programs.items():
+        lean = _lean(gm)
+        eps[name] = torch.export.export(lean, args, dynamic_shapes=_span_dynamic(lean, args, state), strict=False)
     weights, keys = _collect_weights(eps, spec_model.model, state)
     files = [_save_weights(weights, out / WEIGHTS, out)]
     entries = {name: {**info, "writes": _writes(eps[name], info["inputs"]), "weights": keys[name]}
@@ -126,11 +131,13 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     B, dev, kv_names = st.batch_size, st.tokens.device, [f"kv_{i}" for i in range(len(st.kv))]
     ids = torch.zeros(B, C, dtype=torch.long, device=dev)
     pos = torch.arange(C, device=dev).expand(B, C).contiguous()
+    st.set_span(st.seq_len)
     programs = {}
     for p in graphs.prefills:
         r = range(len(st.kv))[p.kv]
-        programs[p.name] = (p.gm, (ids, pos, *st.kv[p.kv]), {
-            "role": "prefill", "kv": [r.start, r.stop], "inputs": ["input_ids", "positions", *kv_names[p.kv]],
+        programs[p.name] = (p.gm, (ids, pos, st.span, *st.kv[p.kv]), {
+            "role": "prefill", "kv": [r.start, r.stop],
+            "inputs": ["input_ids", "positions", "span", *kv_names[p.kv]],
             "args": {n: {"shape": [B, C], "dtype": "int64"} for n in ("input_ids", "positions")},
             "outputs": ["hidden"]})
     step_inputs = [*STEP_INPUTS, *kv_names]
@@ -141,6 +148,14 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     if len(programs) != len(graphs.prefills) + 2:
         raise ValueError(f"program names must be unique, got prefills {[p.name for p in graphs.prefills]}")
     return programs
+
+
+def _span_dynamic(module, args: tuple, state):
+    """torch.export's dynamic_shapes for `module(*args)`: the span's length symbolic, all else static."""
+    shapes = torch.export.ShapesCollection()
+    span = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.uint8 and a.dim() == 1)
+    shapes[span] = (torch.export.Dim("span", min=2, max=state.seq_len),)
+    return shapes.dynamic_shapes(module, args)
 
 
 def _lean(gm: fx.GraphModule) -> fx.GraphModule:
@@ -245,7 +260,8 @@ def _save_onnx(step: fx.GraphModule, state, writes: list[str], path: Path, out: 
     inputs = [*STEP_INPUTS, *(f"kv_{i}" for i in range(len(state.kv)))]
     flat = (*state.step_args()[:-1], *state.kv)
     module = _StateInOut(_lean(step), [inputs.index(w) for w in writes])
-    ep = torch.export.export(module, flat, strict=False).run_decompositions(
+    ep = torch.export.export(module, flat, dynamic_shapes=_span_dynamic(module, flat, state),
+                             strict=False).run_decompositions(
         {torch.ops.aten.cumprod.default: _unrolled_cumprod})
     outputs = [f"{w}_out" for w in writes]
     path.parent.mkdir(exist_ok=True)

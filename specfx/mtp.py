@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfx.capture import _ScatterCache, kv_name, kv_shape, position_mask, text_config
+from specfx import attention
+from specfx.capture import _ScatterCache, kv_name, kv_shape, kv_slots, position_mask, text_config
 
 FORMAT = "specfx-mtp-head"
 FORMAT_VERSION = 1
@@ -206,7 +207,7 @@ def load_head(path: str | Path, target: nn.Module) -> DraftHead:
 class StaticHead(nn.Module):
     """The head over its own static KV buffer, sharing the target's embedding and lm_head.
 
-    `forward(input_ids [B, W], hidden [B, W, H], positions [B, W]) -> (logits [B, W, V], g [B, W, H])`
+    `forward(input_ids [B, W], hidden [B, W, H], positions [B, W], span [L]) -> (logits [B, W, V], g [B, W, H])`
     (just `(g,)` with `with_logits = False`): row b's query j sits at head position
     `positions[b, j]` (the position of the hidden state it reads) and sees the head's cache
     slots up to it.
@@ -218,7 +219,8 @@ class StaticHead(nn.Module):
         self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
         self.max_seq_len, self.with_logits = max_seq_len, True
         param = next(target.parameters())
-        shape = kv_shape(parts.config, batch_size, max_seq_len)
+        self.config, self.reduce_attention = parts.config, param.device.type == "cpu"
+        shape = kv_shape(parts.config, batch_size, kv_slots(max_seq_len))
         for kind in "kv":
             self.register_buffer(kv_name(kind, 0), torch.zeros(shape, dtype=param.dtype, device=param.device),
                                  persistent=False)
@@ -226,12 +228,13 @@ class StaticHead(nn.Module):
     def kv(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, kv_name("k", 0)), getattr(self, kv_name("v", 0))
 
-    def forward(self, input_ids, hidden, positions):
+    def forward(self, input_ids, hidden, positions, span):
         embeds = self.embed(input_ids)
-        g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
-                      position_embeddings=self.rotary(embeds, positions),
-                      attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
-                      cache=_ScatterCache(self, positions))
+        with attention.bind(self.config, positions, span, reduce=self.reduce_attention):
+            g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
+                          position_embeddings=self.rotary(embeds, positions),
+                          attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
+                          cache=_ScatterCache(self, positions))
         if not self.with_logits:             # refill and prefill only write the head's KV
             return (g,)
         return self.lm_head(self.head.norm(g)), g

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from specfx.capture import StaticDecoder, capture, export_graph, static_positions
+from specfx.capture import StaticDecoder, capture, example_span, export_graph, static_positions
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
-                           FuseSpecStep, PassManager, ShareKVBuffers, StructureMap, TruncateAtExit,
-                           check_exit_layer)
+                           FuseSpecStep, Pass, PassManager, ShareKVBuffers, SkinnyMatmul, StructureMap,
+                           TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import StaticState
 from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPPrefill, MTPStep,
                                  PromptLookupStep, trace_step)
@@ -36,7 +36,7 @@ class Prefill:
     """A prefill graph and the slice of the state's KV list it writes."""
 
     name: str
-    gm: fx.GraphModule               # (input_ids [B, C], positions [B, C], *kv) -> (hidden,)
+    gm: fx.GraphModule               # (input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)
     kv: slice
 
 
@@ -98,7 +98,17 @@ class BuildContext:
     seq_len: int
     batch_size: int
     model: object
+    matmul: Callable | None = None                 # skinny_matmul's choice; None: pass off
     extra_kv: list = field(default_factory=list)   # KV buffers of a draft model, after the target's
+
+    def tail(self) -> list[Pass]:
+        """The passes that end every graph the runtime runs."""
+        return tail_passes(self.matmul)
+
+
+def tail_passes(matmul) -> list[Pass]:
+    """KV buffers as inputs, then (with a measured plan) the skinny-matmul rewrite."""
+    return [ShareKVBuffers()] + ([SkinnyMatmul(matmul)] if matmul is not None else [])
 
 
 _BUILDERS: dict[type, Callable] = {}
@@ -112,21 +122,25 @@ def register(config_type: type):
 
 
 def capture_model(pm: PassManager, model, *, name: str, batch_size: int, seq_len: int,
-                  chunk: int) -> Captured:
+                  chunk: int, matmul=None) -> Captured:
     """Capture `model`'s prefill graph (head dropped: prefill only fills the KV cache) and map it."""
     decoder = StaticDecoder(model, batch_size, seq_len)
     cap = lambda width: capture(model, width=width, batch_size=batch_size,  # noqa: E731
                                 max_seq_len=seq_len, decoder=decoder).gm
     gm = cap(chunk)
     structure = pm.run(FindStructure(), gm, graph=name).info["structure"]
-    gm = pm.run_all([TruncateAtExit(structure, structure.num_layers, keep_head=False), ShareKVBuffers()],
+    gm = pm.run_all([TruncateAtExit(structure, structure.num_layers, keep_head=False), *tail_passes(matmul)],
                     gm, graph=name)
     return Captured(structure, decoder, gm, cap)
 
 
 def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
-          prefill_chunk: int = PREFILL_CHUNK) -> Graphs:
-    """Capture `model`, run the drafter's passes and fuse its step."""
+          prefill_chunk: int = PREFILL_CHUNK, matmul=None) -> Graphs:
+    """Capture `model`, run the drafter's passes and fuse its step.
+
+    `matmul(M, N, K) -> Choice` turns on the skinny-matmul rewrite (see
+    `specfx.matmul_choice.MatmulPlan`); None leaves every matmul to the backend.
+    """
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     if batch_size < 1 or max_seq_len < 2:
@@ -139,12 +153,13 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     seq_len = max_seq_len + k + 1
     pm = PassManager()
     chunk = min(prefill_chunk, max_seq_len)
-    target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk)
+    target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk,
+                           matmul=matmul)
     L = target.structure.num_layers
     graphs = Graphs(prefills=[Prefill("prefill", target.prefill, slice(0, 2 * L))], step=None, state=None,
                     structure=target.structure, k=k, drafter=drafter, prefill_chunk=chunk,
                     max_seq_len=max_seq_len)
-    ctx = BuildContext(graphs, pm, target, drafter, k, seq_len, batch_size, model)
+    ctx = BuildContext(graphs, pm, target, drafter, k, seq_len, batch_size, model, matmul)
     graphs.make_step, k_eff = builder(ctx)
     kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
@@ -167,7 +182,7 @@ def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
 
 @register(NoDraft)
 def _build_none(ctx: BuildContext):
-    decode = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(1), graph="decode")
+    decode = ctx.pm.run_all(ctx.tail(), ctx.target.capture(1), graph="decode")
     ctx.graphs.parts["decode"] = decode
     num_kv = 2 * ctx.target.structure.num_layers
     ctx.graphs.kv_slices["decode"] = slice(0, num_kv)
@@ -178,9 +193,9 @@ def _build_none(ctx: BuildContext):
 def _build_early_exit(ctx: BuildContext):
     s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
-    draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), ShareKVBuffers()], ctx.target.capture(1),
+    draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), *ctx.tail()], ctx.target.capture(1),
                        graph="draft")
-    verify = pm.run_all([CutAtExit(s, E), ShareKVBuffers()], ctx.target.capture(k + 1), graph="verify")
+    verify = pm.run_all([CutAtExit(s, E), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
     ctx.graphs.parts.update(draft=draft, verify=verify)
     ctx.graphs.kv_slices.update(draft=slice(0, 2 * E), verify=slice(2 * E, 2 * s.num_layers))
     ctx.graphs.draft_calls["draft"] = k + 1     # k drafts and the pass that writes the last one's KV
@@ -190,7 +205,7 @@ def _build_early_exit(ctx: BuildContext):
 
 @register(PromptLookup)
 def _build_prompt_lookup(ctx: BuildContext):
-    verify = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(ctx.k + 1), graph="verify")
+    verify = ctx.pm.run_all(ctx.tail(), ctx.target.capture(ctx.k + 1), graph="verify")
     ctx.graphs.parts["verify"] = verify
     num_kv = 2 * ctx.target.structure.num_layers
     ctx.graphs.kv_slices["verify"] = slice(0, num_kv)
@@ -204,6 +219,8 @@ def _build_mtp(ctx: BuildContext):
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
     head = ctx.drafter.load(model)
+    if ctx.matmul is not None:
+        ctx.matmul.include(head.parameters())
     static = StaticHead(model, head, ctx.batch_size, ctx.seq_len)
     param = next(model.parameters())
     hidden_size = head.eh_proj.out_features
@@ -213,11 +230,11 @@ def _build_mtp(ctx: BuildContext):
         static.with_logits = logits
         ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
         hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
-        return pm.run_all([ShareKVBuffers()], export_graph(static, (ids, hidden, static_positions(B, width, param.device))),
-                          graph=name)
+        args = (ids, hidden, static_positions(B, width, param.device), example_span(ctx.seq_len, param.device))
+        return pm.run_all(ctx.tail(), export_graph(static, args, span_arg=3), graph=name)
 
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
-    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size), ShareKVBuffers()],
+    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size), *ctx.tail()],
                         ctx.target.capture(k + 1), graph="verify")
     nt = 2 * s.num_layers
     history = torch.zeros(ctx.batch_size, ctx.seq_len, s.hidden_size, dtype=param.dtype, device=param.device)
@@ -236,10 +253,12 @@ def _build_mtp(ctx: BuildContext):
 def _build_draft_model(ctx: BuildContext):
     draft_model = ctx.drafter.load(like=ctx.model)
     check_same_tokenizer(ctx.model, draft_model)
+    if ctx.matmul is not None:
+        ctx.matmul.include(draft_model.parameters())
     d = capture_model(ctx.pm, draft_model, name="draft_prefill", batch_size=ctx.batch_size,
-                      seq_len=ctx.seq_len, chunk=ctx.graphs.prefill_chunk)
-    draft = ctx.pm.run_all([ShareKVBuffers()], d.capture(1), graph="draft")
-    verify = ctx.pm.run_all([ShareKVBuffers()], ctx.target.capture(ctx.k + 1), graph="verify")
+                      seq_len=ctx.seq_len, chunk=ctx.graphs.prefill_chunk, matmul=ctx.matmul)
+    draft = ctx.pm.run_all(ctx.tail(), d.capture(1), graph="draft")
+    verify = ctx.pm.run_all(ctx.tail(), ctx.target.capture(ctx.k + 1), graph="verify")
     nt, nd = 2 * ctx.target.structure.num_layers, 2 * d.structure.num_layers
     ctx.graphs.prefills.append(Prefill("draft_prefill", d.prefill, slice(nt, nt + nd)))
     ctx.extra_kv.extend(d.kv)

@@ -31,6 +31,11 @@ def tiny_model(arch: str = "llama", *, layers: int = 4, vocab: int = 96, seed: i
     return model.eval()
 
 
+def span(length: int) -> torch.Tensor:
+    """A captured graph's `span` input: attention reads cache slots 0..length-1."""
+    return torch.zeros(length, dtype=torch.uint8)
+
+
 def hf_greedy(model, ids, max_new_tokens, attention_mask=None, eos_token_id=None):
     with torch.no_grad():
         return model.generate(ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,

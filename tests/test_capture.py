@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ARCHS, tiny_model
+from helpers import ARCHS, span, tiny_model
 from specfx.capture import capture
 from specfx.passes import StructureError, find_structure
 
@@ -33,7 +33,7 @@ def test_capture_matches_eager_and_maps_structure(arch):
     ids = torch.randint(3, 96, (2, 5))
     pos = torch.arange(5).expand(2, 5)
     with torch.no_grad():
-        (ours,) = cg.gm(ids, pos)
+        (ours,) = cg.gm(ids, pos, span(16))
         ref = model(ids).logits
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
@@ -44,7 +44,7 @@ def test_rows_at_different_positions():
     ids = torch.randint(3, 96, (2, 3))
     pos = torch.tensor([[0, 1, 2], [5, 6, 7]])
     with torch.no_grad():
-        (out,) = cg.gm(ids, pos)
+        (out,) = cg.gm(ids, pos, span(16))
     # Row 0 sees only its own three tokens: equal to a plain forward.
     torch.testing.assert_close(out[0], model(ids[:1]).logits[0], atol=1e-4, rtol=1e-4)
 

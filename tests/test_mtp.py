@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model, span
 from specfx.capture import capture
 from specfx.mtp import final_hidden, load_head, new_head, save_head, target_parts
 from specfx.mtp_train import MTPTrainConfig, evaluate_head, train_head
@@ -44,7 +44,7 @@ def test_attach_mtp_head_exposes_the_final_hidden_state():
     assert res.modified and before == 1
     ids = torch.randint(3, 96, (1, 4))
     with torch.no_grad():
-        logits, hidden = res.graph_module(ids, torch.arange(4)[None])
+        logits, hidden = res.graph_module(ids, torch.arange(4)[None], span(32))
         ref_logits = model(ids).logits
     assert torch.allclose(logits, ref_logits, atol=1e-4)
     assert torch.allclose(hidden, final_hidden(model, ids), atol=1e-4)

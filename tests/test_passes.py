@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import fx
 
-from helpers import tiny_model
+from helpers import span, tiny_model
 from specfx.capture import capture
 from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, FuseSpecStep,
                            PassError, PassManager, ShareKVBuffers, TruncateAtExit, find_host_syncs)
@@ -45,7 +45,7 @@ def test_attach_early_exit(setup, E):
     res = AttachEarlyExit(cg.structure, E)(cg.gm)
     assert res.modified and len(_outputs(res.graph_module)) == 3
     with torch.no_grad():
-        logits, exit_logits, exit_hidden = res.graph_module(ids, pos)
+        logits, exit_logits, exit_hidden = res.graph_module(ids, pos, span(S))
         torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(exit_logits, _head(model, hf.hidden_states[E]), atol=1e-4, rtol=1e-4)
@@ -70,7 +70,7 @@ def test_truncate_at_exit(setup):
     assert res.modified
     assert _layers(res.graph_module, cg.structure.stack_path) == set(range(E))
     with torch.no_grad():
-        exit_logits, exit_hidden = res.graph_module(ids, pos)
+        exit_logits, exit_hidden = res.graph_module(ids, pos, span(S))
     torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(exit_logits, _head(model, hf.hidden_states[E]), atol=1e-4, rtol=1e-4)
     # KV of layers < E written, layers >= E untouched.
@@ -90,11 +90,11 @@ def test_cut_at_exit(setup, E):
     cg = capture(model, width=W, max_seq_len=S)
     res = CutAtExit(cg.structure, E)(cg.gm)
     gm = res.graph_module
-    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["exit_hidden", "positions"]
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["exit_hidden", "positions", "span"]
     assert _layers(gm, cg.structure.stack_path) == set(range(E, L))
     assert not any(n.target is torch.ops.aten.embedding.default for n in gm.graph.nodes)
     with torch.no_grad():
-        (logits,) = gm(hf.hidden_states[E], pos)
+        (logits,) = gm(hf.hidden_states[E], pos, span(S))
     torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
 
 
@@ -106,9 +106,9 @@ def test_share_kv_buffers(setup):
     gm = res.graph_module
     assert res.modified and gm.meta["kv_inputs"] == [f"kv_{t}_{i}" for i in range(L) for t in "kv"]
     assert not any(n.op == "get_attr" and n.target.startswith("kv_") for n in gm.graph.nodes)
-    kv = [torch.zeros(1, 2, S, 16) for _ in range(2 * L)]
+    kv = [torch.zeros(1, S + 1, 2, 16) for _ in range(2 * L)]
     with torch.no_grad():
-        (logits,) = gm(ids, pos, *kv)
+        (logits,) = gm(ids, pos, span(S), *kv)
     torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
     assert all(t.abs().sum() > 0 for t in kv)  # the caller's tensors were written
     assert not ShareKVBuffers()(gm).modified

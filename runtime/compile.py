@@ -1,0 +1,95 @@
+"""Compile a captured graph for the runtime, without Dynamo in the call path.
+
+The runtime's graphs are always called with the same state tensors, so nothing needs checking
+per call. `compile_graph(gm, "inductor")` hands the FX graph to Inductor directly (on the first
+call's arguments) and later calls run the compiled code with no guard evaluation; on the CPU
+the compiled code's wrapper is C++ too (`cpp_wrapper`), so a step costs no Python per kernel.
+Every size is static except the length of the input named `span` (the attention span, see
+`specfx.attention`), which stays symbolic where `dynamic_span` is set: one compiled graph
+serves every span. A graph input that is a list of tensors (the step's `kv`) becomes one input
+per tensor. Other backends go through `torch.compile`; "eager" runs the graph as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+SPAN = "span"
+
+
+def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic_span: bool = False):
+    """The callable that runs `gm`: itself for "eager", Inductor without Dynamo for "inductor"."""
+    if backend == "eager":
+        return gm
+    if backend == "inductor":
+        return InductorGraph(gm, dynamic_span=dynamic_span)
+    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+
+
+class InductorGraph:
+    """`gm` compiled by Inductor on its first call; later calls go straight to the compiled code."""
+
+    def __init__(self, gm: fx.GraphModule, *, dynamic_span: bool = False):
+        self.gm, self.dynamic_span, self.fn = gm, dynamic_span, None
+
+    def __call__(self, *args):
+        flat = _flatten(args)
+        if self.fn is None:
+            self.fn = _inductor(flat_inputs(self.gm, args), flat, self.dynamic_span)
+        return self.fn(*flat)
+
+
+def _inductor(gm: fx.GraphModule, args: list, dynamic_span: bool):
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t: torch.Tensor, name: str) -> torch.Tensor:
+        dim = DimDynamic.DYNAMIC if dynamic_span and name == SPAN else DimDynamic.STATIC
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[dim] * t.dim()))
+
+    cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
+    with torch.no_grad(), config.patch(cpp_wrapper=cpu):
+        return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
+
+
+def _flatten(args) -> list:
+    out = []
+    for a in args:
+        out.extend(a) if isinstance(a, (list, tuple)) else out.append(a)
+    return out
+
+
+def flat_inputs(gm: fx.GraphModule, args) -> fx.GraphModule:
+    """A copy of `gm` in which each list-of-tensors input is one input per tensor."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if placeholders and str(placeholders[-1].target).startswith("*"):       # forward(..., *kv)
+        args = (*args[:len(placeholders) - 1], tuple(args[len(placeholders) - 1:]))
+    if len(placeholders) != len(args):
+        raise ValueError(f"graph takes {len(placeholders)} inputs, called with {len(args)}")
+    if not any(isinstance(a, (list, tuple)) for a in args):
+        return gm
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    for ph, a in zip(placeholders, args):
+        if isinstance(a, (list, tuple)):
+            env[ph] = [graph.placeholder(f"{ph.name}_{i}") for i in range(len(a))]
+        else:
+            env[ph] = graph.node_copy(ph)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), list):
+            env[n] = env[n.args[0]][n.args[1]]
+            continue
+        if any(isinstance(env.get(a), list) for a in n.all_input_nodes):
+            raise ValueError(f"list input used by {n.format_node()}: only indexing is supported")
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    return fx.GraphModule(gm, graph, gm.__class__.__name__)

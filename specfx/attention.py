@@ -1,0 +1,134 @@
+"""Attention over the static KV cache, masked by positions, over a span the host chooses.
+
+While a model is captured (`bind(config, positions, span, reduce=...)`), its attention layers
+call `attention` here instead of transformers' own implementation (registered as "specfx" in
+transformers' `AttentionInterface`). A query at position p sees cache slot s iff s <= p (and
+p - s < window on sliding-window layers, which transformers passes as `sliding_window`), so
+rejected drafts beyond a row's length are masked, never cropped.
+
+Only the first `span.shape[0]` slots are read. `span` is a graph input whose length is the
+one dynamic size of a captured graph: the runtime passes a length that covers every position
+the next steps can reach (it knows the lengths at its sync points), so attention costs what the
+context costs, not what `max_seq_len` costs, with one compiled graph and no recompilation. On
+CUDA the runtime passes the whole cache, so the step keeps static shapes for CUDA graphs.
+
+Two forms of the same math:
+- `reduce=True` (CPU): products and sums that Inductor generates itself, which stream the
+  cache; a BLAS-backed SDPA call costs several times more per layer on a few queries here;
+- `reduce=False`: `scaled_dot_product_attention` (fused kernels on CUDA).
+Logit soft-capping (Gemma 2's `softcap`) and grouped-query attention are handled in both; a
+model that asks for anything else (attention sinks) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NAME = "specfx"
+_IMPL = "_attn_implementation_internal"      # what a transformers config's `_attn_implementation` reads
+_UNSET = object()
+
+
+@dataclass
+class _Bound:
+    positions: torch.Tensor        # [B, W] long: each query's position
+    span: torch.Tensor             # [L]: attention reads cache slots 0..L-1
+    reduce: bool
+
+
+_bound: list[_Bound] = []          # the forward being captured (innermost last)
+
+
+def visibility(positions: torch.Tensor, length, window: int) -> torch.Tensor:
+    """[B, 1, W, length] bool: query (b, w) sees slot s iff s <= positions[b, w] (and
+    positions[b, w] - s < window when window > 0)."""
+    slots = torch.arange(length, device=positions.device)                       # [L]
+    p = positions[:, :, None]                                                    # [B, W, 1]
+    visible = slots <= p
+    if window:
+        visible = visible & (slots > p - window)
+    return visible[:, None]
+
+
+def attend(q, k, v, visible, scale: float, softcap: float, reduce: bool) -> torch.Tensor:
+    """q [B, H, W, D] over k, v [B, Hkv, L, D] where `visible` [B, 1, W, L].
+
+    Returns [B, W, H, D], contiguous, as transformers' attention functions do.
+    """
+    if not reduce and not softcap:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).contiguous()
+    B, H, W, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * W, D)                                             # query heads by kv head
+    if reduce:
+        scores = (qg[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)           # [B, Hkv, G*W, L]
+    else:
+        scores = qg @ k.transpose(-1, -2)
+    scores = scores * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap                          # Gemma 2's order
+    scores = scores.reshape(B, H, W, L).masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).reshape(B, Hkv, G * W, L)
+    if reduce:
+        out = (probs[..., None] * v[:, :, None, :, :]).sum(-2)                  # [B, Hkv, G*W, D]
+    else:
+        out = probs @ v
+    return out.reshape(B, H, W, D).transpose(1, 2).contiguous()
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+              sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function: `(attn_output [B, W, H, D], None)`."""
+    if not _bound:
+        raise RuntimeError("specfx attention runs only inside a model bound by specfx.attention.bind")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by specfx")
+    b = _bound[-1]
+    L = b.span.shape[0]
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    visible = visibility(b.positions, L, int(sliding_window or 0))
+    out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), b.reduce)
+    return out, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+
+
+def _configs(config):
+    """The config and every sub-config below it."""
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield from _configs(sub)
+
+
+@contextlib.contextmanager
+def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool):
+    """Within the block, attention of models with this config runs `attention` at these positions."""
+    _register()
+    configs = list(_configs(config))
+    saved = [c.__dict__.get(_IMPL, _UNSET) for c in configs]
+    for c in configs:
+        setattr(c, _IMPL, NAME)
+    _bound.append(_Bound(positions, span, reduce))
+    try:
+        yield
+    finally:
+        _bound.pop()
+        for c, value in zip(configs, saved):
+            if value is _UNSET:
+                delattr(c, _IMPL)
+            else:
+                setattr(c, _IMPL, value)

@@ -1,0 +1,150 @@
+"""Which kernel runs the few-row matmuls, measured on this machine and remembered.
+
+`MatmulPlan(weights)` answers `plan(M, N, K) -> Choice` for the `skinny_matmul` pass. For a
+model's weights and M rows it times every linear of the model at M rows, one after another as
+a step runs them, in two graphs compiled by Inductor:
+
+- **BLAS**: `F.linear`, which Inductor hands to the BLAS library;
+- **reduce**: the pass's product-and-sum, which Inductor generates itself;
+
+median of `REPEATS` passes, and the faster one is chosen for that row count. Timing one small
+weight at a time in a loop misleads: in cache, or with the call overhead of a lone kernel, a
+BLAS call looks faster than it runs in a step, where each weight is read once from memory.
+A row count is measured once per machine and weight set: results are kept in
+`$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
+version, dtype, M and the weights' shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from specfx.passes.skinny_matmul import Choice
+
+REPEATS = 9
+_memory: dict[str, dict] = {}
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("SPECFX_CACHE_DIR") or Path.home() / ".cache" / "specfx") / "matmul.json"
+
+
+def machine() -> str:
+    """What a measurement holds for: CPU model, threads, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+
+
+class MatmulPlan:
+    """`plan(M, N, K) -> Choice`: reduce where the model's linears at M rows ran faster so."""
+
+    def __init__(self, weights):
+        self.sets: list[list[torch.Tensor]] = []
+        self.include(weights)
+        self.measured: dict[str, dict] = {}
+
+    def include(self, weights) -> None:
+        """Another model's weights (a draft model, a head), measured as a set of their own."""
+        ws = [w.detach() for w in weights if w.dim() == 2]
+        if ws:
+            self.sets.append(ws)
+
+    def __call__(self, M: int, N: int, K: int) -> Choice:
+        weights = next((ws for ws in self.sets if any(tuple(w.shape) == (N, K) for w in ws)), None)
+        if weights is None:
+            return Choice(False, f"{N}x{K}: not a weight of the measured models")
+        t = self.timing(weights, M)
+        faster = "reduce" if t["reduce_ms"] < t["blas_ms"] else "BLAS"
+        return Choice(faster == "reduce", f"M={M}: {t['linears']} linears took reduce {t['reduce_ms']:.2f} ms, "
+                                          f"BLAS {t['blas_ms']:.2f} ms: {faster}")
+
+    def timing(self, weights: list[torch.Tensor], M: int) -> dict:
+        """Measured (or remembered) ms of all `weights` at M rows through each kernel."""
+        shapes = Counter(tuple(w.shape) for w in weights)
+        digest = hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:12]
+        w0 = weights[0]
+        key = f"{machine()}|{w0.dtype}|{w0.device.type}|M={M}|{digest}"
+        if key not in self.measured:
+            cached = _load().get(key)
+            if cached is None:
+                cached = measure(weights, M)
+                _store(key, cached)
+            self.measured[key] = cached
+        return self.measured[key]
+
+
+def reduce_form(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T as the skinny_matmul pass writes it."""
+    return (w[:, None, :] * x[None, :, :]).sum(-1).t()
+
+
+def measure(weights: list[torch.Tensor], M: int) -> dict:
+    """Median ms of all `weights` at M rows, through BLAS and through the reduce form."""
+    ks = sorted({w.shape[1] for w in weights})
+    w0 = weights[0]
+    xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
+    args = [*weights, *(xs[K] for K in ks)]
+    out = {"linears": len(weights)}
+    with torch.no_grad():
+        for name, kernel in (("blas_ms", lambda w, x: F.linear(x, w)), ("reduce_ms", reduce_form)):
+            fn = torch._inductor.compile(_all_linears(weights, ks, kernel), args)
+            times = []
+            for r in range(REPEATS + 1):
+                t = time.perf_counter()
+                fn(*args)
+                if r:                                    # the first pass warms up
+                    times.append(time.perf_counter() - t)
+            out[name] = statistics.median(times) * 1e3
+    return out
+
+
+def _all_linears(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:
+    """A graph `(*weights, *xs) -> [kernel(w, xs[K of w]) ...]`."""
+    graph = fx.Graph()
+    ws = [graph.placeholder(f"w{i}") for i in range(len(weights))]
+    xs = {K: graph.placeholder(f"x{K}") for K in ks}
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    outs = [kernel(fx.Proxy(w, tracer), fx.Proxy(xs[t.shape[1]], tracer)).node for w, t in zip(ws, weights)]
+    graph.output(outs)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _load() -> dict:
+    path = cache_file()
+    if str(path) not in _memory:
+        try:
+            _memory[str(path)] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            _memory[str(path)] = {}
+    return _memory[str(path)]
+
+
+def _store(key: str, value: dict) -> None:
+    table = _load()
+    table[key] = value
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass                                    # a read-only home: measured again next time
