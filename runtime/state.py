@@ -43,7 +43,7 @@ class StaticState:
             accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
             noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
             temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
-            kv=kv, generator=torch.Generator(device=device),
+            kv=kv, generator=None if torch.device(device).type == "meta" else torch.Generator(device=device),
         )
 
     def step_args(self) -> tuple:
@@ -92,7 +92,8 @@ class StaticState:
         self.temperature.fill_(temperature)
         self.top_k.fill_(top_k)
         self.top_p.fill_(top_p)
-        self.generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        if self.generator is not None:      # None on `meta`, which has no generator
+            self.generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
 
     def draw(self) -> None:
         """Fresh random numbers for one sampling step, from this state's generator (no sync)."""

@@ -69,12 +69,12 @@ def export(spec_model, out_dir, formats=FORMATS, *, tokenizer=None) -> dict:
 def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
     """Every file of the artifact, manifest last, into the empty folder `out`."""
     graphs, state = spec_model.graphs, spec_model.graphs.state
-    programs = _programs(graphs)
-    eps = {name: torch.export.export(_lean(gm), args, strict=False) for name, (gm, args, _) in programs.items()}
+    programs = export_programs(graphs)
+    eps = {name: ep for name, (ep, _) in programs.items()}
     weights, keys = _collect_weights(eps, spec_model.model, state)
     files = [_save_weights(weights, out / WEIGHTS, out)]
     entries = {name: {**info, "writes": _writes(eps[name], info["inputs"]), "weights": keys[name]}
-               for name, (_, _, info) in programs.items()}
+               for name, (_, info) in programs.items()}
     if "aoti" in formats:                     # before the pt2 save empties the programs' weights
         for name, ep in eps.items():
             entries[name]["aoti"] = _save_aoti(ep, out / "aoti" / f"{name}.pt2", out)
@@ -118,6 +118,12 @@ def load(path, format: str = "pt2", device=None) -> LoadedModel:
                          "specfx.load runs format 'pt2' or 'aoti'")
     _check_formats([format], LOADABLE, "load")
     return load_artifact(Path(path), format, device)
+
+
+def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dict]]:
+    """name -> (its `torch.export` program, its manifest entry) for each prefill, the step and the sampling step."""
+    return {name: (torch.export.export(_lean(gm), args, strict=False), info)
+            for name, (gm, args, info) in _programs(graphs).items()}
 
 
 def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
