@@ -92,8 +92,13 @@ class StaticState:
         self.temperature.fill_(temperature)
         self.top_k.fill_(top_k)
         self.top_p.fill_(top_p)
-        if self.generator is not None:      # None on `meta`, which has no generator
-            self.generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        if self.generator is None:          # `meta` has no generator
+            return
+        # Only this state's generator: torch.seed() would reseed the process's global RNG.
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
 
     def draw(self) -> None:
         """Fresh random numbers for one sampling step, from this state's generator (no sync)."""
