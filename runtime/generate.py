@@ -33,6 +33,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _host_list(t: torch.Tensor) -> list:
+    """`t.tolist()`; from CUDA through a pinned buffer, a non-blocking copy and an explicit
+    synchronize: a deliberate sync point, which `set_sync_debug_mode("error")` lets pass (it
+    flags a blocking copy, such as `.tolist()` of a device tensor, as a hidden sync)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    _sync(t.device)
+    return host.tolist()
+
+
 class Runtime:
     """Runs one `Graphs` bundle (see `specfx.pipeline`) over its static state."""
 
@@ -145,13 +157,13 @@ class Runtime:
                 if streamer is not None:
                     self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
                 left = self.steps_left(limits)                        # sync at most every `sync_every` steps
-            lengths = st.lengths.tolist()
+            lengths = _host_list(st.lengths)
             t_end = time.perf_counter()
         rows = self._collect(prompt_lens, lengths, max_new_tokens, eos)
         if streamer is not None:
             self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
             streamer.end()
-        calls, mean, by_pos = acceptance_stats(st.accept_hist.tolist())
+        calls, mean, by_pos = acceptance_stats(_host_list(st.accept_hist))
         new = sum(len(r) for r in rows)
         stats = GenerationStats(
             ttft_s=t_first - t0, total_s=t_end - t0, new_tokens=new, steps=steps,
@@ -164,7 +176,7 @@ class Runtime:
 
     def _collect(self, prompt_lens, lengths, max_new_tokens, eos) -> list[list[int]]:
         """New tokens of each row: at most max_new_tokens, ending at the first EOS."""
-        tokens = self.state.tokens[: len(prompt_lens)].tolist()
+        tokens = _host_list(self.state.tokens[: len(prompt_lens)])
         rows = []
         for b, p in enumerate(prompt_lens):
             new = tokens[b][p : min(lengths[b], p + max_new_tokens)]
@@ -174,7 +186,7 @@ class Runtime:
 
     def _stream(self, streamer, streamed, prompt_lens, max_new_tokens, eos) -> None:
         """Hand the streamer the tokens of row 0 it has not seen yet."""
-        lengths = self.state.lengths.tolist()
+        lengths = _host_list(self.state.lengths)
         row = self._collect(prompt_lens[:1], lengths[:1], max_new_tokens, eos)[0]
         if len(row) > streamed[0]:
             streamer.put(torch.tensor(row[streamed[0]:]))
