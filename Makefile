@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast gpu-check clean
+.PHONY: setup demo test test-fast gpu-check gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test-fast: setup
 # On a CUDA machine with torch/transformers/triton preinstalled (no network needed).
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The same check on this CPU: tiny shapes, CUDA parts recorded as skipped.
+gpu-check-dry: setup
+	PYTHON=$(PY) bash scripts/gpu_check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

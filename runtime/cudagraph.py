@@ -4,7 +4,8 @@
   none moved (a replayed graph reads and writes fixed addresses).
 - `GraphedStep(fn, state, sample=...)`: warms `fn` up on a side stream, restores the state the
   warm-up advanced, captures one call of `fn` (for sampling: the random draws from the state's
-  generator, registered with the graph, then the fused step) and replays it.
+  generator, registered with the graph, then the fused step) and replays it. A recompile during
+  the capture is an error (`set_stance("fail_on_recompile")`).
 
 The runtime uses it on CUDA when `cudagraphs` is on; prefill stays outside the graph.
 """
@@ -61,7 +62,11 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         if self.sample:
             self.graph.register_generator_state(self.state.generator)
-        with torch.cuda.graph(self.graph):
+        # Everything was compiled in the warm-up: a recompile here would run Inductor inside the
+        # capture, so it is an error. thread_local: an unsafe CUDA call made by another thread
+        # (a compile worker, a profiler) does not abort this thread's capture.
+        with torch.compiler.set_stance("fail_on_recompile"), \
+                torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.fn()
         self.buffers.restore(snap)        # warm-up advanced the state; capture ran nothing
         torch.cuda.synchronize()

@@ -29,6 +29,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _host_list(t: torch.Tensor) -> list:
+    """`t.tolist()`; from CUDA through a pinned buffer, a non-blocking copy and an explicit
+    synchronize: a deliberate sync point, which `set_sync_debug_mode("error")` lets pass (it
+    flags a blocking copy, such as `.tolist()` of a device tensor, as a hidden sync)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    _sync(t.device)
+    return host.tolist()
+
+
 class Runtime:
     """Runs one `Graphs` bundle (see `specfx.pipeline`) over its static state."""
 
@@ -43,8 +55,8 @@ class Runtime:
             raise ValueError("cudagraphs=True needs the model on a CUDA device")
         self.cudagraphs = self.device.type == "cuda" and cudagraphs is not False
         # On the CPU attention reads only the slots that positions can reach (chosen here at
-        # each sync point); a CUDA graph needs fixed shapes, so there it reads the whole cache.
-        self.live_span = self.device.type != "cuda"
+        # each sync point); elsewhere the whole cache (a CUDA graph needs fixed shapes).
+        self.live_span = self.device.type == "cpu"
         self.prefill_fns = [(self._compile(p.gm), p.kv) for p in graphs.prefills]
         self.step_fn = self._compile(graphs.step)
         self._sample_fn = None
@@ -76,21 +88,28 @@ class Runtime:
             for fn, kv in self.prefill_fns:                           # target, then a draft model
                 fn(ids, pos, st.span, *st.kv[kv])
 
-    def cover(self, positions: int, steps: int = 0) -> None:
-        """Make attention span every position below `positions` and those that `steps` more
-        steps can reach (each advances a row by at most k+1 and looks k+1 ahead)."""
+    def cover(self, positions: int | None = None, steps: int = 0) -> None:
+        """Make attention span every position below `positions` (default: the longest row's
+        length) and those that `steps` more steps can reach (each advances a row by at most k+1
+        and looks k+1 ahead)."""
         st, k = self.state, self.graphs.k
         if not self.live_span:
             st.set_span(st.seq_len)
             return
+        if positions is None:
+            positions = int(st.lengths.max())
         reach = positions + steps * (k + 1) + (k + 1 if steps else 0)
         st.set_span(-(-reach // SPAN_ALIGN) * SPAN_ALIGN)
 
     @torch.no_grad()
     def step(self, sample: bool = False) -> None:
         """One step outside `generate` (a test, a profile): the span is set from the lengths first."""
-        self.cover(int(self.state.lengths.max()), steps=1)
+        self.cover(steps=1)
         (self._sample_step if sample else self._step)()
+
+    def sample_step(self) -> None:
+        """One sampling step outside `generate` (see `step`)."""
+        self.step(sample=True)
 
     def _step(self) -> None:
         self.step_fn(*self.state.step_args())
@@ -164,13 +183,13 @@ class Runtime:
                 if streamer is not None:
                     self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
                 left = self.steps_left(limits)                        # sync at most every `sync_every` steps
-            lengths = st.lengths.tolist()
+            lengths = _host_list(st.lengths)
             t_end = time.perf_counter()
         rows = self._collect(prompt_lens, lengths, max_new_tokens, eos)
         if streamer is not None:
             self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
             streamer.end()
-        calls, mean, by_pos = acceptance_stats(st.accept_hist.tolist())
+        calls, mean, by_pos = acceptance_stats(_host_list(st.accept_hist))
         new = sum(len(r) for r in rows)
         stats = GenerationStats(
             ttft_s=t_first - t0, total_s=t_end - t0, new_tokens=new, steps=steps,
@@ -183,7 +202,7 @@ class Runtime:
 
     def _collect(self, prompt_lens, lengths, max_new_tokens, eos) -> list[list[int]]:
         """New tokens of each row: at most max_new_tokens, ending at the first EOS."""
-        tokens = self.state.tokens[: len(prompt_lens)].tolist()
+        tokens = _host_list(self.state.tokens[: len(prompt_lens)])
         rows = []
         for b, p in enumerate(prompt_lens):
             new = tokens[b][p : min(lengths[b], p + max_new_tokens)]
@@ -193,7 +212,7 @@ class Runtime:
 
     def _stream(self, streamer, streamed, prompt_lens, max_new_tokens, eos) -> None:
         """Hand the streamer the tokens of row 0 it has not seen yet."""
-        lengths = self.state.lengths.tolist()
+        lengths = _host_list(self.state.lengths)
         row = self._collect(prompt_lens[:1], lengths[:1], max_new_tokens, eos)[0]
         if len(row) > streamed[0]:
             streamer.put(torch.tensor(row[streamed[0]:]))
@@ -211,7 +230,7 @@ class Runtime:
         """
         st, g = self.state, self.graphs
         last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
-        self.cover(int(st.lengths.max()), steps=1)
+        self.cover(steps=1)
         self.draft_s, exit_hidden = 0.0, None
         for name, calls in g.draft_calls.items():
             fn, args = self._profile_call(name, last, exit_hidden)

@@ -45,7 +45,8 @@ class StaticState:
             accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
             noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
             temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
-            spans=z(seq_len, dt=torch.uint8), kv=kv, generator=torch.Generator(device=device),
+            spans=z(seq_len, dt=torch.uint8), kv=kv,
+            generator=None if torch.device(device).type == "meta" else torch.Generator(device=device),
         )
 
     def __post_init__(self):
@@ -79,22 +80,26 @@ class StaticState:
         return self.tokens.shape[1]
 
     def load_prompts(self, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: list[int]) -> None:
-        """Reset for a new batch of prompts (1-D LongTensors); rows past len(prompts) start done."""
+        """Reset for a new batch of prompts (1-D LongTensors); rows past len(prompts) start done.
+
+        Everything goes to the device as whole host tensors in non-blocking copies (a blocking
+        copy is a sync that `set_sync_debug_mode("error")` flags); a copy from pageable memory
+        returns once the driver has staged the data, so the host tensors may be freed at once.
+        """
         self.tokens.zero_()
         self.accept_hist.zero_()
-        self.done.fill_(True)
-        self.lengths.fill_(1)
-        self.max_lens.fill_(1)
         for b, p in enumerate(prompts):
-            self.tokens[b, : p.numel()] = p.to(self.tokens.device)
-            self.lengths[b] = p.numel()
-            self.max_lens[b] = p.numel() + max_new_tokens
-            self.done[b] = False
+            self.tokens[b, : p.numel()].copy_(p, non_blocking=True)
+        idle = self.batch_size - len(prompts)                 # rows without a prompt: length 1, done
+        lengths = [p.numel() for p in prompts]
+        self.lengths.copy_(torch.tensor(lengths + [1] * idle), non_blocking=True)
+        self.max_lens.copy_(torch.tensor([n + max_new_tokens for n in lengths] + [1] * idle), non_blocking=True)
+        self.done.copy_(torch.tensor([False] * len(prompts) + [True] * idle), non_blocking=True)
         self.set_sampling(1.0, 0, 1.0, None)
         if len(eos_ids) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS token ids are supported, got {len(eos_ids)}")
         # Written in place: a captured CUDA graph reads these addresses.
-        self.eos.copy_(torch.tensor(list(eos_ids) + [-1] * (MAX_EOS_IDS - len(eos_ids))))
+        self.eos.copy_(torch.tensor(list(eos_ids) + [-1] * (MAX_EOS_IDS - len(eos_ids))), non_blocking=True)
 
     def set_sampling(self, temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
         """Sampling settings (device tensors, so the compiled step is reused) and the RNG seed."""
@@ -107,7 +112,13 @@ class StaticState:
         self.temperature.fill_(temperature)
         self.top_k.fill_(top_k)
         self.top_p.fill_(top_p)
-        self.generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        if self.generator is None:          # `meta` has no generator
+            return
+        # Only this state's generator: torch.seed() would reseed the process's global RNG.
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
 
     def draw(self) -> None:
         """Fresh random numbers for one sampling step, from this state's generator (no sync)."""

@@ -39,10 +39,15 @@ def _propose(logits, sample: bool, noise, warping):
     return race(q, noise)[:, None], q
 
 
-def _verify(verify, tokens, last, drafts, offsets, max_pos: int, span, kv):
+def _offsets(last, k: int):
+    """0..k on `last`'s device (made in the step: a module buffer would stay on the CPU)."""
+    return torch.arange(k + 1, device=last.device)
+
+
+def _verify(verify, tokens, last, drafts, k: int, max_pos: int, span, kv):
     """The target over [pending token, drafts] at positions last..last+k: (its outputs, positions)."""
     ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)      # [B, k+1]
-    pos = (last[:, None] + offsets).clamp(max=max_pos)                # [B, k+1]
+    pos = (last[:, None] + _offsets(last, k)).clamp(max=max_pos)      # [B, k+1]
     return verify(ids, pos, span, *kv), pos
 
 
@@ -80,7 +85,6 @@ class EarlyExitStep(nn.Module):
         self.draft, self.verify = draft, verify
         self.k, self.exit_layer, self.num_layers, self.max_pos = k, exit_layer, num_layers, max_pos
         self.sample = sample
-        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
@@ -100,7 +104,7 @@ class EarlyExitStep(nn.Module):
                 x, q = _propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
                 drafts.append(x)
                 qs.append(q)
-        pos = (last[:, None] + self.offsets).clamp(max=self.max_pos)  # [B, k+1]
+        pos = (last[:, None] + _offsets(last, self.k)).clamp(max=self.max_pos)  # [B, k+1]
         target_logits = self.verify(torch.cat(hidden, 1), pos, span, *kv_verify)[0]
         emitted, n = _accept(self.sample, torch.cat(drafts, 1), torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
@@ -115,13 +119,12 @@ class PromptLookupStep(nn.Module):
         super().__init__()
         self.target, self.k, self.ngram, self.num_kv, self.max_pos = target, k, ngram, num_kv, max_pos
         self.sample = sample
-        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
         last = lengths - 1                                            # [B]
         drafts = ngram_propose(tokens, lengths, self.ngram, self.k)   # [B, k]
-        out, _ = _verify(self.target, tokens, last, drafts, self.offsets, self.max_pos, span,
+        out, _ = _verify(self.target, tokens, last, drafts, self.k, self.max_pos, span,
                          [kv[i] for i in range(self.num_kv)])
         logits = out[0]                                               # [B, k+1, V]
         # Deterministic drafts: q is one-hot.
@@ -143,7 +146,6 @@ class DraftModelStep(nn.Module):
         # Vocab sizes may differ by padding: drafts come from the shared part only.
         self.vocab, self.pad = min(draft_vocab, target_vocab), max(0, target_vocab - draft_vocab)
         self.max_draft_id = draft_vocab - 1
-        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
@@ -165,7 +167,7 @@ class DraftModelStep(nn.Module):
             if self.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        target_logits = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, span,
+        target_logits = _verify(self.verify, tokens, last, drafts, self.k, self.max_pos, span,
                                 kv_target)[0][0]                      # [B, k+1, V]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
@@ -202,7 +204,6 @@ class MTPStep(nn.Module):
         super().__init__()
         self.head, self.refill, self.verify = head, refill, verify
         self.k, self.nt, self.max_pos, self.sample = k, num_kv_target, max_pos, sample
-        self.register_buffer("offsets", torch.arange(k + 1), persistent=False)
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
@@ -220,7 +221,7 @@ class MTPStep(nn.Module):
             drafts.append(x)
             qs.append(q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
-        out, pos = _verify(self.verify, tokens, last, drafts, self.offsets, self.max_pos, span, kv_target)
+        out, pos = _verify(self.verify, tokens, last, drafts, self.k, self.max_pos, span, kv_target)
         target_logits, hidden = out[0], out[1]                        # [B, k+1, V], [B, k+1, H]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)

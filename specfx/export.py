@@ -71,15 +71,12 @@ def export(spec_model, out_dir, formats=FORMATS, *, tokenizer=None) -> dict:
 def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
     """Every file of the artifact, manifest last, into the empty folder `out`."""
     graphs, state = spec_model.graphs, spec_model.graphs.state
-    programs = _programs(graphs)
-    eps = {}
-    for name, (gm, args, _) in programs.items():
-        lean = _lean(gm)
-        eps[name] = torch.export.export(lean, args, dynamic_shapes=_span_dynamic(lean, args, state), strict=False)
+    programs = export_programs(graphs)
+    eps = {name: ep for name, (ep, _) in programs.items()}
     weights, keys = _collect_weights(eps, spec_model.model, state)
     files = [_save_weights(weights, out / WEIGHTS, out)]
     entries = {name: {**info, "writes": _writes(eps[name], info["inputs"]), "weights": keys[name]}
-               for name, (_, _, info) in programs.items()}
+               for name, (_, info) in programs.items()}
     if "aoti" in formats:                     # before the pt2 save empties the programs' weights
         for name, ep in eps.items():
             entries[name]["aoti"] = _save_aoti(ep, out / "aoti" / f"{name}.pt2", out)
@@ -123,6 +120,16 @@ def load(path, format: str = "pt2", device=None) -> LoadedModel:
                          "specfx.load runs format 'pt2' or 'aoti'")
     _check_formats([format], LOADABLE, "load")
     return load_artifact(Path(path), format, device)
+
+
+def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dict]]:
+    """name -> (its `torch.export` program, its manifest entry) for each prefill, the step and the sampling step."""
+    out = {}
+    for name, (gm, args, info) in _programs(graphs).items():
+        lean = _lean(gm)
+        out[name] = (torch.export.export(lean, args, dynamic_shapes=_span_dynamic(lean, args, graphs.state),
+                                         strict=False), info)
+    return out
 
 
 def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:

@@ -25,6 +25,7 @@ from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPP
                                  PromptLookupStep, trace_step)
 
 PREFILL_CHUNK = 64
+KV_ALIGN = 16                        # the KV length is a multiple of this
 
 
 class HostSyncError(RuntimeError):
@@ -149,8 +150,10 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     builder = _BUILDERS.get(type(drafter))
     if builder is None:
         raise TypeError(f"no pipeline for drafter {drafter!r}")
-    # Room for k+1 slots past the last real token, so a step never writes out of bounds.
-    seq_len = max_seq_len + k + 1
+    # Room for k+1 slots past the last real token, so a step never writes out of bounds, rounded
+    # up so that the rows of a half-precision attention mask [B, 1, W, seq_len] stay aligned
+    # (SDPA pads and copies an unaligned mask in every layer).
+    seq_len = -(-(max_seq_len + k + 1) // KV_ALIGN) * KV_ALIGN
     pm = PassManager()
     chunk = min(prefill_chunk, max_seq_len)
     target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk,
