@@ -4,9 +4,9 @@ The runtime's graphs are always called with the same state tensors, so nothing n
 per call. `compile_graph(gm, "inductor")` hands the FX graph to Inductor directly (on the first
 call's arguments) and later calls run the compiled code with no guard evaluation; on the CPU
 the compiled code's wrapper is C++ too (`cpp_wrapper`), so a step costs no Python per kernel.
-Every size is static except the length of the input named `span` (the attention span, see
-`specfx.attention`), which stays symbolic where `dynamic_span` is set: one compiled graph
-serves every span. A graph input that is a list of tensors (the step's `kv`) becomes one input
+Every size is static except those named in `dynamic` (input name -> dims): the attention
+span's length (`span`, see `specfx.attention`) and a prefill's width (dim 1 of `input_ids`,
+`positions`, `hidden`) stay symbolic, so one compiled graph serves every span and width. A graph input that is a list of tensors (the step's `kv`) becomes one input
 per tensor. Other backends go through `torch.compile`; "eager" runs the graph as it is.
 """
 
@@ -17,32 +17,33 @@ import operator
 import torch
 from torch import fx
 
-SPAN = "span"
+SPAN = {"span": (0,)}
+WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 
 
-def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic_span: bool = False):
+def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic: dict[str, tuple[int, ...]] | None = None):
     """The callable that runs `gm`: itself for "eager", Inductor without Dynamo for "inductor"."""
     if backend == "eager":
         return gm
     if backend == "inductor":
-        return InductorGraph(gm, dynamic_span=dynamic_span)
-    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+        return InductorGraph(gm, dynamic=dynamic or {})
+    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=bool(dynamic))
 
 
 class InductorGraph:
     """`gm` compiled by Inductor on its first call; later calls go straight to the compiled code."""
 
-    def __init__(self, gm: fx.GraphModule, *, dynamic_span: bool = False):
-        self.gm, self.dynamic_span, self.fn = gm, dynamic_span, None
+    def __init__(self, gm: fx.GraphModule, *, dynamic: dict[str, tuple[int, ...]]):
+        self.gm, self.dynamic, self.fn = gm, dynamic, None
 
     def __call__(self, *args):
         flat = _flatten(args)
         if self.fn is None:
-            self.fn = _inductor(flat_inputs(self.gm, args), flat, self.dynamic_span)
+            self.fn = _inductor(flat_inputs(self.gm, args), flat, self.dynamic)
         return self.fn(*flat)
 
 
-def _inductor(gm: fx.GraphModule, args: list, dynamic_span: bool):
+def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]]):
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,8 +53,8 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic_span: bool):
     mode = FakeTensorMode(shape_env=ShapeEnv())
 
     def fake(t: torch.Tensor, name: str) -> torch.Tensor:
-        dim = DimDynamic.DYNAMIC if dynamic_span and name == SPAN else DimDynamic.STATIC
-        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[dim] * t.dim()))
+        dims = [DimDynamic.DYNAMIC if d in dynamic.get(name, ()) else DimDynamic.STATIC for d in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     with torch.no_grad(), config.patch(cpp_wrapper=cpu):

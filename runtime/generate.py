@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 from torch import fx
 
-from specfx.runtime.compile import compile_graph
+from specfx.runtime.compile import SPAN, WIDTH, compile_graph
 from specfx.runtime.cudagraph import GraphedStep
 from specfx.runtime.memory import PeakMemory
 from specfx.runtime.stats import GenerationStats, acceptance_stats
@@ -57,7 +56,7 @@ class Runtime:
         # On the CPU attention reads only the slots that positions can reach (chosen here at
         # each sync point); elsewhere the whole cache (a CUDA graph needs fixed shapes).
         self.live_span = self.device.type == "cpu"
-        self.prefill_fns = [(self._compile(p.gm), p.kv) for p in graphs.prefills]
+        self.prefill_fns = [(self._compile(p.gm, WIDTH), p.kv) for p in graphs.prefills]
         self.step_fn = self._compile(graphs.step)
         self._sample_fn = None
         self._graphed: dict[bool, GraphedStep] = {}
@@ -68,8 +67,9 @@ class Runtime:
         self.draft_s: float | None = None
         self.verify_s: float | None = None
 
-    def _compile(self, gm: fx.GraphModule):
-        return compile_graph(gm, self.backend, dynamic_span=self.live_span)
+    def _compile(self, gm: fx.GraphModule, dynamic: dict | None = None):
+        """Compiled with the span symbolic where it is live, and `dynamic`'s sizes symbolic."""
+        return compile_graph(gm, self.backend, dynamic={**(SPAN if self.live_span else {}), **(dynamic or {})})
 
     @property
     def max_seq_len(self) -> int:
@@ -77,14 +77,17 @@ class Runtime:
 
     @torch.no_grad()
     def prefill(self, longest_prompt: int) -> None:
-        """Write the KV of every prompt token but the last (the pending one), chunk by chunk."""
+        """Write the KV of every prompt token but the last (the pending one), in chunks of at
+        most `prefill_chunk` tokens and at least 2 (a second slot past a one-token prefill is
+        the pending token's, which the first step writes again)."""
         st, C = self.state, self.graphs.prefill_chunk
-        B = st.batch_size
-        for c in range(math.ceil((longest_prompt - 1) / C)):
-            pos = torch.arange(c * C, (c + 1) * C, device=self.device).clamp(max=st.seq_len - 1)
-            pos = pos.expand(B, C).contiguous()                       # [B, C]
+        B, n = st.batch_size, longest_prompt - 1
+        for start in range(0, n, C):
+            width = max(2, min(C, n - start))
+            pos = torch.arange(start, start + width, device=self.device).clamp(max=st.seq_len - 1)
+            pos = pos.expand(B, width).contiguous()                   # [B, W]
             ids = st.tokens.gather(1, pos)
-            self.cover((c + 1) * C)
+            self.cover(start + width)
             for fn, kv in self.prefill_fns:                           # target, then a draft model
                 fn(ids, pos, st.span, *st.kv[kv])
 

@@ -129,13 +129,16 @@ class CapturedGraph:
 
 
 def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: int = 2048,
-            decoder: StaticDecoder | None = None) -> CapturedGraph:
-    """`torch.export` the model at query width `width` into a plain GraphModule."""
+            decoder: StaticDecoder | None = None, dynamic_width: bool = False) -> CapturedGraph:
+    """`torch.export` the model at query width `width` into a plain GraphModule.
+
+    With `dynamic_width` the width is symbolic, 2..`width` (a prefill of any chunk size)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
     device = decoder.kv(0)[0].device
     ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
     pos = static_positions(batch_size, width, device)
-    gm = export_graph(decoder, (ids, pos, example_span(max_seq_len, device)), span_arg=2)
+    gm = export_graph(decoder, (ids, pos, example_span(max_seq_len, device)), span_arg=2,
+                      width_args=(0, 1) if dynamic_width else ())
     structure = find_structure(gm)
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
 
@@ -156,15 +159,21 @@ def example_span(seq_len: int, device) -> torch.Tensor:
     return torch.zeros(max(2, seq_len // 2), dtype=torch.uint8, device=device)
 
 
-def export_graph(module: nn.Module, args: tuple, *, span_arg: int | None = None) -> fx.GraphModule:
+def export_graph(module: nn.Module, args: tuple, *, span_arg: int | None = None,
+                 width_args: tuple[int, ...] = ()) -> fx.GraphModule:
     """`torch.export` `module` at the shapes of `args` into a plain GraphModule; the length of
-    `args[span_arg]` stays symbolic (2..seq_len), every other size is static."""
+    `args[span_arg]` stays symbolic (2..seq_len), and so does dim 1 (the query width, 2..its
+    size in `args`) of each of `width_args`; every other size is static."""
     import warnings
 
     dynamic = None
-    if span_arg is not None:
-        span = torch.export.Dim("span", min=2, max=_span_max(module))
-        dynamic = tuple({0: span} if i == span_arg else None for i in range(len(args)))
+    if span_arg is not None or width_args:
+        # DYNAMIC, not a named Dim: a guard that holds over the whole range but that the solver
+        # cannot prove (e.g. w * min(16, 32 w) == 16 w) is kept as a guard instead of refused.
+        span = torch.export.Dim.DYNAMIC(min=2, max=_span_max(module))
+        width = torch.export.Dim.DYNAMIC(min=2, max=args[width_args[0]].shape[1]) if width_args else None
+        dynamic = tuple({0: span} if i == span_arg else {1: width} if i in width_args else None
+                        for i in range(len(args)))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
         ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)

@@ -158,10 +158,14 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
 
 
 def _span_dynamic(module, args: tuple, state):
-    """torch.export's dynamic_shapes for `module(*args)`: the span's length symbolic, all else static."""
+    """torch.export's dynamic_shapes for `module(*args)`: the span's length symbolic, and a
+    prefill's width (dim 1 of its ids and positions, the first two args), all else static."""
     shapes = torch.export.ShapesCollection()
     span = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.uint8 and a.dim() == 1)
-    shapes[span] = (torch.export.Dim("span", min=2, max=state.seq_len),)
+    shapes[span] = (torch.export.Dim.DYNAMIC(min=2, max=state.seq_len),)      # as specfx.capture does
+    if args[2] is span:                                               # (input_ids, positions, span, *kv)
+        for t in args[:2]:
+            shapes[t] = (None, torch.export.Dim.DYNAMIC(min=2, max=args[0].shape[1]))
     return shapes.dynamic_shapes(module, args)
 
 

@@ -37,7 +37,7 @@ class Prefill:
     """A prefill graph and the slice of the state's KV list it writes."""
 
     name: str
-    gm: fx.GraphModule               # (input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)
+    gm: fx.GraphModule               # (input_ids [B, W], positions [B, W], span, *kv) -> (hidden,), W <= C
     kv: slice
 
 
@@ -124,15 +124,18 @@ def register(config_type: type):
 
 def capture_model(pm: PassManager, model, *, name: str, batch_size: int, seq_len: int,
                   chunk: int, matmul=None) -> Captured:
-    """Capture `model`'s prefill graph (head dropped: prefill only fills the KV cache) and map it."""
+    """Capture `model`'s prefill graph (any width up to `chunk`; head dropped: prefill only
+    fills the KV cache), and map the model's structure on a one-token graph, whose node names
+    the graphs of the other static widths share."""
     decoder = StaticDecoder(model, batch_size, seq_len)
-    cap = lambda width: capture(model, width=width, batch_size=batch_size,  # noqa: E731
-                                max_seq_len=seq_len, decoder=decoder).gm
-    gm = cap(chunk)
-    structure = pm.run(FindStructure(), gm, graph=name).info["structure"]
-    gm = pm.run_all([TruncateAtExit(structure, structure.num_layers, keep_head=False), *tail_passes(matmul)],
-                    gm, graph=name)
-    return Captured(structure, decoder, gm, cap)
+    cap = lambda width, dynamic=False: capture(model, width=width, batch_size=batch_size,  # noqa: E731
+                                               max_seq_len=seq_len, decoder=decoder, dynamic_width=dynamic).gm
+    spare = {1: cap(1)}                  # the drafters' builders take it
+    structure = pm.run(FindStructure(), spare[1], graph=f"{name} (width 1)").info["structure"]
+    gm = cap(chunk, True)
+    own = pm.run(FindStructure(), gm, graph=name).info["structure"]
+    gm = pm.run_all([TruncateAtExit(own, own.num_layers, keep_head=False), *tail_passes(matmul)], gm, graph=name)
+    return Captured(structure, decoder, gm, lambda width: spare.pop(width) if width in spare else cap(width))
 
 
 def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
@@ -228,13 +231,14 @@ def _build_mtp(ctx: BuildContext):
     param = next(model.parameters())
     hidden_size = head.eh_proj.out_features
 
-    def cap(width: int, name: str, logits: bool = False) -> fx.GraphModule:
+    def cap(width: int, name: str, logits: bool = False, dynamic: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
         static.with_logits = logits
         ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
         hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
         args = (ids, hidden, static_positions(B, width, param.device), example_span(ctx.seq_len, param.device))
-        return pm.run_all(ctx.tail(), export_graph(static, args, span_arg=3), graph=name)
+        gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
+        return pm.run_all(ctx.tail(), gm, graph=name)
 
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
     verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size), *ctx.tail()],
@@ -242,7 +246,7 @@ def _build_mtp(ctx: BuildContext):
     nt = 2 * s.num_layers
     history = torch.zeros(ctx.batch_size, ctx.seq_len, s.hidden_size, dtype=param.dtype, device=param.device)
     ctx.extra_kv.extend([*static.kv(), history])
-    prefill = MTPPrefill(ctx.graphs.prefill, cap(ctx.graphs.prefill_chunk, "head_prefill"),
+    prefill = MTPPrefill(ctx.graphs.prefill, cap(ctx.graphs.prefill_chunk, "head_prefill", dynamic=True),
                          num_kv_target=nt, max_pos=ctx.seq_len - 1)
     ctx.graphs.prefills[0] = Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), slice(0, nt + 3))
     ctx.graphs.parts.update(draft=draft, refill=refill, verify=verify)
