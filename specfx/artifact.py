@@ -62,7 +62,8 @@ class LoadedModel:
         self.path, self.manifest, self.format = path, manifest, format
         self.runtime = Runtime(programs, backend="eager")
         self.defaults = GenerationDefaults.from_dict(manifest["generation"])
-        self.shape = StaticShape(manifest["batch_size"], manifest["max_seq_len"], built="exported", remedy="export")
+        self.shape = StaticShape(manifest["batch_size"], manifest["max_seq_len"], manifest["vocab_size"],
+                                 self.runtime.device, built="exported", remedy="export")
         self.last_stats: GenerationStats | None = None
         if self.runtime.cudagraphs:           # capture the greedy step's CUDA graph before the first token
             self.runtime.warmup()
