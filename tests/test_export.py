@@ -124,7 +124,7 @@ def test_aoti_round_trip(tmp_path):
     fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=40, batch_size=2,
                           backend="eager")
     fast.export(tmp_path / "a", formats=("aoti",))
-    loaded = specfx.load(tmp_path / "a", format="aoti")
+    loaded = specfx.load(tmp_path / "a", format="aoti", trust_native_code=True)
     # The compiled step writes its inputs in place, as the runtime needs.
     st = loaded.runtime.state
     st.load_prompts([PROMPTS[1]], 8, [])
@@ -264,7 +264,7 @@ def test_pycoder_early_exit_pt2_and_aoti_in_a_fresh_process(pycoder, tmp_path):
     for fmt in ("pt2", "aoti"):
         got = fresh_process(f"""
 import json, torch, specfx
-m = specfx.load({str(tmp_path / "pycoder")!r}, format={fmt!r})
+m = specfx.load({str(tmp_path / "pycoder")!r}, format={fmt!r}, trust_native_code=True)
 print(json.dumps([m.generate(torch.tensor(ids), max_new_tokens=64).tolist() for ids in {[p.tolist() for p in prompts]}]))
 """)
         for ids, ref, out in zip(prompts, refs, got):
