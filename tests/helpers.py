@@ -37,13 +37,23 @@ def hf_greedy(model, ids, max_new_tokens, attention_mask=None, eos_token_id=None
                               do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
 
 
+def unpadded(out: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, b: int) -> torch.Tensor:
+    """Row b of a padded batch's output as one sequence [1, n]: its prompt tokens (where `mask`
+    is 1), then its new tokens."""
+    return torch.cat([ids[b][mask[b].bool()], out[b, ids.shape[1]:]])[None]
+
+
 def assert_greedy_equal(model, ours: torch.Tensor, ref: torch.Tensor, prompt_len: int):
     """Token-for-token equality, except that a divergence at a near-tie ends the comparison.
 
-    Where batched verification changes fp32 rounding enough to flip an argmax, the top-2
-    logit gap of the reference at that point must be below NEAR_TIE; anything else fails.
+    `ours` and `ref` are whole sequences, prompt then new tokens: where batched verification
+    changes fp32 rounding enough to flip an argmax, the top-2 logit gap of the reference at that
+    point, measured on the prompt and the tokens before it, must be below NEAR_TIE; anything
+    else fails.
     """
+    assert prompt_len >= 1, "pass whole sequences (prompt + new tokens): the near-tie gap needs the prompt"
     assert ours.shape[0] == ref.shape[0]
+    assert torch.equal(ours[:, :prompt_len].cpu(), ref[:, :prompt_len].cpu()), "the prompts differ"
     for b in range(ours.shape[0]):
         a, r = ours[b].tolist(), ref[b].tolist()
         n = min(len(a), len(r))

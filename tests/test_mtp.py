@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model, unpadded
 from specfx.capture import capture
 from specfx.mtp import final_hidden, load_head, new_head, save_head, target_parts
 from specfx.mtp_train import MTPTrainConfig, evaluate_head, train_head
@@ -75,8 +75,9 @@ def test_greedy_equals_model_generate(tmp_path, arch, k):
     mask[1, :4] = 0
     ours = fast.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
     for b in range(2):
-        row = ids[b][mask[b].bool()][None]
-        assert_greedy_equal(model, ours[b : b + 1, 9:], hf_greedy(model, row, 12)[:, row.shape[1]:], 0)
+        row = unpadded(ours, ids, mask, b)
+        n = int(mask[b].sum())
+        assert_greedy_equal(model, row, hf_greedy(model, row[:, :n], 12), n)
 
 
 def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
@@ -100,7 +101,7 @@ def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trai
     parts = target_parts(model)
     accepted = calls = 0
     for b, p in enumerate(prompts):
-        seq = torch.cat([p, ours[b, ids.shape[1]:]])[None]
+        seq = unpadded(ours, ids, mask, b)
         assert_greedy_equal(model, seq, hf_greedy(model, p[None], N), len(p))
         # Offline: pred[q] is the head's guess for the token at q + 2, from the whole sequence.
         with torch.no_grad():
