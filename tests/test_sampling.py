@@ -117,10 +117,9 @@ def _exact_two_token_marginals(model, prompt, T):
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
-@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
-                                     ("draft-model", 2), ("mtp", 2)])
-def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
-    model = tiny_model("llama", layers=3, vocab=V_SMALL, seed=4)
+def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
+    """Total variation between the sampled distribution of the first two new tokens (4096 draws)
+    and their exact marginals under the model."""
     if draft == "draft-model":
         draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6))
     if draft == "mtp":
@@ -138,11 +137,29 @@ def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
         counts1 += torch.bincount(out[:, 4], minlength=V_SMALL)
         counts2 += torch.bincount(out[:, 5], minlength=V_SMALL)
     p1, p2 = _exact_two_token_marginals(model, prompt, T)
+    # Spread out: a sampler stuck on the top token would be off by 1 - max(p) > 0.4 in TV.
+    assert p1.max() < 0.6 and p2.max() < 0.6, (p1.max(), p2.max())
     N = B * runs
-    tv1 = 0.5 * (counts1 / N - p1).abs().sum().item()
-    tv2 = 0.5 * (counts2 / N - p2).abs().sum().item()
+    return 0.5 * (counts1 / N - p1).abs().sum().item(), 0.5 * (counts2 / N - p2).abs().sum().item()
+
+
+@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
+                                     ("draft-model", 2), ("mtp", 2)])
+def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, k, tmp_path)
     # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
     assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+
+
+def test_a_wrong_sampler_fails_the_distribution_test(tmp_path, monkeypatch):
+    """Accepting every draft (the draft's distribution, not the model's) is caught by the same TV bound."""
+    from specfx.runtime import step
+
+    real = step.speculative_accept
+    monkeypatch.setattr(step, "speculative_accept",
+                        lambda drafts, q, p, uniforms, noise: real(drafts, q, p, uniforms * 0, noise))
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), "early-exit:1", 3, tmp_path)
+    assert max(tv1, tv2) > 0.05, (tv1, tv2)
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens():
