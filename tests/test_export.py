@@ -134,8 +134,11 @@ def test_aoti_round_trip(tmp_path):
     ref = fast.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[])
     assert_greedy_equal(model, loaded.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[]), ref,
                         PROMPTS.shape[1])
-    sampled = loaded.generate(PROMPTS, MASK, max_new_tokens=8, do_sample=True, seed=1, eos_token_id=[])
-    assert sampled.shape == (2, PROMPTS.shape[1] + 8)
+    # AOTI's sampling step draws what the in-process step draws from the same seed (its kernels
+    # round differently; a flip would need a draw within ~1e-6 of a decision boundary).
+    for seed in (1, 2):
+        kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
+        assert torch.equal(loaded.generate(PROMPTS, MASK, **kw), fast.generate(PROMPTS, MASK, **kw))
 
 
 # --- errors ---
