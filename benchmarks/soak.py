@@ -153,6 +153,8 @@ def soak(calls: int = 2000, backend: str = "inductor", pool_size: int = 48, seed
         mismatches, rows, sampled = [], 0, 0
         t1 = time.perf_counter()
         for i in range(calls):
+            if i and i % 500 == 0:
+                log(f"  {i} calls, RSS {rss_bytes() / 2**20:.1f} MiB")
             j = rng.randrange(len(specs))
             c, ref, out = specs[j], references[j], run(fast, specs[j])
             if c["sample"]:
@@ -167,8 +169,6 @@ def soak(calls: int = 2000, backend: str = "inductor", pool_size: int = 48, seed
                 why = greedy_mismatch(model, ours, ref[b], n)
                 if why:
                     mismatches.append(f"call {i} (pool {j}) row {b}: {why}")
-            if (i + 1) % 500 == 0:
-                log(f"  {i + 1} calls, RSS {rss_bytes() / 2**20:.1f} MiB")
         seconds = time.perf_counter() - t1
         gc.collect()
         rss1, counters1 = rss_bytes(), _compile_counts()
