@@ -22,7 +22,7 @@ import specfx
 from helpers import tiny_model
 
 B, MAX_SEQ_LEN, V, K = 3, 80, 32, 2          # 80: prompts may span more than one prefill chunk (64)
-MAX_EXAMPLES = 6
+MAX_EXAMPLES = 8
 CONFIGS = [("llama", "early-exit:1"), ("qwen2", "ngram:2"), ("mistral", "draft-model"), ("gemma", "mtp")]
 
 
