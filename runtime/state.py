@@ -4,17 +4,44 @@ Convention: `lengths[b]` counts the tokens of row b known so far (prompt + accep
 of them is *pending*: it is in `tokens` but not yet in the KV cache. A step feeds it first.
 Rejected drafts leave KV entries beyond the length; positions mask them, the next step
 overwrites them.
+
+One caller at a time: the state is shared by every call on a compiled model, so `generate`
+holds `state.lock` (a `CallerLock`) for the whole call; concurrent callers wait their turn.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass, field, fields
 
 import torch
 
 MAX_EOS_IDS = 8
 STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist",
                "uniforms", "noise", "temperature", "top_k", "top_p", "span")
+
+
+class CallerLock:
+    """A lock for the static state: other threads wait; the holding thread calling again is
+    refused (a streamer calling `generate` would overwrite the state its caller is using)."""
+
+    def __init__(self):
+        self._lock, self._owner = threading.Lock(), None
+
+    def __enter__(self) -> CallerLock:
+        if self._owner == threading.get_ident():
+            raise RuntimeError("generate was called from inside a generate call on the same model (a "
+                               "streamer?): the static state is in use; call it after this call returns")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def __deepcopy__(self, memo) -> CallerLock:
+        return CallerLock()                   # a copied model has a state (and a lock) of its own
 
 
 @dataclass
@@ -34,6 +61,7 @@ class StaticState:
     kv: list[torch.Tensor]     # per layer: key, value [B, S + 1, H, D]
     generator: torch.Generator | None = None
     span: torch.Tensor | None = None   # [L]: attention reads slots 0..L-1 (only its length matters)
+    lock: CallerLock = field(default_factory=CallerLock, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, *, batch_size: int, seq_len: int, k: int, vocab_size: int,
@@ -67,7 +95,7 @@ class StaticState:
         return tuple(getattr(self, name) for name in STEP_INPUTS) + (self.kv,)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "generator", "span")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "generator", "span", "lock")}
         out.update({f"kv_{i}": t for i, t in enumerate(self.kv)})
         return out
 

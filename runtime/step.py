@@ -194,7 +194,8 @@ class MTPStep(nn.Module):
 
     State (`kv`): the target's KV, then the head's key and value buffers, then the history of
     the target's final hidden states [B, S, H] (h_p written when position p is verified). Draft
-    1 reads h at the pending token's predecessor; drafts 2..k feed the head its own output.
+    1 reads h at the pending token's predecessor (zeros for a one-token row); drafts 2..k feed
+    the head its own output.
     After acceptance the head re-runs over the k+1 verified positions with the target's hidden
     states, so its KV holds what the target saw (the draft passes' entries are overwritten).
     """
@@ -212,10 +213,14 @@ class MTPStep(nn.Module):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
         warping = (temperature, top_k, top_p)
-        h = _gather_hidden(history, head_positions((last - 1)[:, None], self.max_pos))   # [B, 1, H]
+        # A one-token row has no hidden state yet: draft 1 reads zeros at head position 0 and sees
+        # only its own entry there (never a stale one); the refill below rewrites slot 0.
+        first = (last - 1)[:, None]                                   # [B, 1]
+        h = _gather_hidden(history, first.clamp(min=0))               # [B, 1, H]
+        h = torch.where(first[:, :, None] < 0, torch.zeros_like(h), h)
         drafts, qs = [], []
         for j in range(self.k):
-            pos = head_positions((last - 1 + j)[:, None], self.max_pos)
+            pos = (first + j).clamp(min=0, max=self.max_pos)
             logits, h = self.head(x, h, pos, span, *head_kv)
             x, q = _propose(logits[:, -1], self.sample, noise[:, j], warping)
             drafts.append(x)

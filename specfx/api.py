@@ -38,6 +38,7 @@ class SpeculativeModel:
         self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every, cudagraphs=cudagraphs)
         self.capture_s = time.perf_counter() - t0
         self.backend, self.batch_size, self.max_seq_len = backend, batch_size, max_seq_len
+        self.shape = StaticShape(batch_size, max_seq_len, self.graphs.structure.vocab_size, self.runtime.device)
         self.last_stats: GenerationStats | None = None
         self.compile_s = 0.0
         if warmup and backend != "eager":
@@ -65,11 +66,15 @@ class SpeculativeModel:
         it samples from the model's distribution after temperature/top-k/top-p (unset values
         come from the model's generation_config, as in transformers); speculative rejection
         sampling keeps that distribution exactly. `seed` makes a run reproducible.
+
+        `input_ids` is 2-D `[batch, prompt_len]` on the model's device; where `attention_mask` is
+        0 the token is padding (left or right), dropped. Calls from several threads run one
+        after another (the static state is shared).
         """
         if unsupported:
             raise TypeError(f"unsupported generate arguments: {sorted(unsupported)}")
         out, self.last_stats = generation.generate(
-            self.runtime, self.defaults, StaticShape(self.batch_size, self.max_seq_len), input_ids, attention_mask,
+            self.runtime, self.defaults, self.shape, input_ids, attention_mask,
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
         return out
@@ -82,7 +87,8 @@ class SpeculativeModel:
 
     def profile(self, repeats: int = 20) -> tuple[float, float]:
         """Time the draft and verify graphs apart (seconds per step); fills `last_stats`."""
-        draft_s, verify_s = self.runtime.profile(repeats)
+        with self.runtime.state.lock:
+            draft_s, verify_s = self.runtime.profile(repeats)
         if self.last_stats is not None:
             self.last_stats.draft_s, self.last_stats.verify_s = draft_s, verify_s
         return draft_s, verify_s

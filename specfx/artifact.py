@@ -1,8 +1,10 @@
 """Reading an artifact folder (see `specfx.export`): checks, programs, and `LoadedModel`.
 
 - `load_artifact(folder, format, device)`: reads manifest.json, refuses an incompatible or
-  altered artifact (format/specfx/torch versions, missing files, sha256), loads the weights once,
-  the programs of one format around them, and the static state the manifest describes.
+  altered artifact (format/specfx/torch versions, missing files, sha256) and one it cannot
+  trust (`specfx.artifact_safety`: native code without opt-in, paths leaving the folder,
+  unlisted files, pickles), loads the weights once, the programs of one format around them,
+  and the static state the manifest describes.
 - `LoadedModel`: `generate` and `last_stats` like `SpeculativeModel`, on `Runtime`.
 
 It imports no model code: only torch, safetensors and specfx's runtime and generate helpers.
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from specfx import __version__
+from specfx.artifact_safety import check_program_folders, check_pt2_archive, inside, require_trust
 from specfx.generation import GenerationDefaults, StaticShape, generate
 from specfx.runtime.generate import Runtime
 from specfx.runtime.state import STEP_INPUTS, StaticState
@@ -62,7 +65,8 @@ class LoadedModel:
         self.path, self.manifest, self.format = path, manifest, format
         self.runtime = Runtime(programs, backend="eager")
         self.defaults = GenerationDefaults.from_dict(manifest["generation"])
-        self.shape = StaticShape(manifest["batch_size"], manifest["max_seq_len"], built="exported", remedy="export")
+        self.shape = StaticShape(manifest["batch_size"], manifest["max_seq_len"], manifest["vocab_size"],
+                                 self.runtime.device, built="exported", remedy="export")
         self.last_stats: GenerationStats | None = None
         if self.runtime.cudagraphs:           # capture the greedy step's CUDA graph before the first token
             self.runtime.warmup()
@@ -95,19 +99,21 @@ class LoadedModel:
                 f"max_seq_len={self.shape.max_seq_len}, device={self.runtime.device})")
 
 
-def load_artifact(folder: Path, format: str, device=None) -> LoadedModel:
+def load_artifact(folder: Path, format: str, device=None, *, trust_native_code: bool = False) -> LoadedModel:
     """Check, then load, the `format` programs of the artifact in `folder` (see `specfx.load`)."""
     manifest = read_manifest(folder)
     check_compatible(manifest)
     if format not in manifest["formats"]:
         raise ValueError(f"{folder} holds the formats {', '.join(manifest['formats'])}, not {format!r}; "
                          f"export it with that format (specfx export ... --format {format})")
+    require_trust(folder, format, trust_native_code)
     exported_on = torch.device(manifest["device"])
     device = torch.device(device) if device is not None else exported_on
     if format == "aoti" and device.type != exported_on.type:
         raise ValueError(f"the aoti packages in {folder} were compiled for {exported_on.type}, not {device.type}; "
                          f"load format='pt2' or export on a {device.type} machine")
     programs = manifest["programs"]
+    check_program_folders(folder, manifest)
     verify_files(folder, manifest, [WEIGHTS, *(entry[format] for entry in programs.values())])
     from safetensors.torch import load_file
 
@@ -149,11 +155,13 @@ def check_compatible(manifest: dict) -> None:
 
 
 def verify_files(folder: Path, manifest: dict, names: list[str]) -> None:
-    """Every file `names` lists exists and has the sha256 the manifest recorded."""
+    """Every file `names` lists lies inside `folder`, exists and has the sha256 the manifest recorded."""
     for name in names:
-        path = folder / name
+        path = inside(folder, name)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from the artifact (the manifest lists it); re-export")
+        if name not in manifest["files"]:
+            raise ValueError(f"{MANIFEST} names {name} but records no sha256 for it; re-export the artifact")
         expected = manifest["files"][name]["sha256"]
         if sha256(path) != expected:
             raise ValueError(f"{path} does not match its sha256 in {MANIFEST} (expected {expected[:12]}...): "
@@ -176,6 +184,7 @@ def allocate_state(manifest: dict, device: torch.device) -> StaticState:
 
 def _load_pt2(path: Path, keys: dict[str, str], weights: dict, device: torch.device, exported_on: torch.device):
     """The program with the artifact's weights put back in place of its meta placeholders."""
+    check_pt2_archive(path)                   # before torch.export.load, which may unpickle
     ep = torch.export.load(str(path))
     for fqn, key in keys.items():
         table = ep.state_dict if fqn in ep.state_dict else ep.constants

@@ -62,7 +62,7 @@ def export(spec_model, out_dir, formats=FORMATS, *, tokenizer=None) -> dict:
     previous = _previous_files(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written aside and moved in at the end: a failed export leaves `out` as it was.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp, spec_model.graphs.state.lock:
         manifest = _write(spec_model, Path(tmp), formats, tokenizer)
         _move_into(Path(tmp), out, [*manifest["files"], MANIFEST], previous)
     return manifest
@@ -109,17 +109,19 @@ def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
     return manifest
 
 
-def load(path, format: str = "pt2", device=None) -> LoadedModel:
+def load(path, format: str = "pt2", device=None, *, trust_native_code: bool = False) -> LoadedModel:
     """The artifact in folder `path`, ready to `generate` (format "pt2" or "aoti").
 
     `device=None` runs it where it was exported. A pt2 artifact moves to any device; an AOTI
-    package runs only on the device type it was compiled for.
+    package runs only on the device type it was compiled for. An AOTI package is native code
+    that runs in this process: it loads only with `trust_native_code=True`, for an artifact you
+    built or trust. A pt2 artifact runs no code from the folder (see `specfx.artifact_safety`).
     """
     if format == "onnx":
         raise ValueError("the ONNX step runs under onnxruntime (manifest['onnx'] names its inputs and outputs); "
                          "specfx.load runs format 'pt2' or 'aoti'")
     _check_formats([format], LOADABLE, "load")
-    return load_artifact(Path(path), format, device)
+    return load_artifact(Path(path), format, device, trust_native_code=trust_native_code)
 
 
 def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dict]]:

@@ -39,14 +39,22 @@ def test_capture_matches_eager_and_maps_structure(arch):
 
 
 def test_rows_at_different_positions():
+    """Each row reads only its own cache, at its own positions; slots past a row's positions
+    (stale KV) are masked, whatever they hold."""
     model = tiny_model("llama", layers=2)
     cg = capture(model, width=3, batch_size=2, max_seq_len=16)
-    ids = torch.randint(3, 96, (2, 3))
-    pos = torch.tensor([[0, 1, 2], [5, 6, 7]])
+    for name, buf in cg.gm.named_buffers():
+        if name.startswith("kv_"):
+            buf.normal_(generator=torch.Generator().manual_seed(0))     # stale KV everywhere
+    g = torch.Generator().manual_seed(1)
+    seq0, seq1 = torch.randint(3, 96, (3,), generator=g), torch.randint(3, 96, (6,), generator=g)
     with torch.no_grad():
-        (out,) = cg.gm(ids, pos, span(16))
-    # Row 0 sees only its own three tokens: equal to a plain forward.
-    torch.testing.assert_close(out[0], model(ids[:1]).logits[0], atol=1e-4, rtol=1e-4)
+        cg.gm(torch.stack([seq0, seq1[:3]]), torch.tensor([[0, 1, 2], [0, 1, 2]]), span(16))
+        # Row 0 again at positions 0..2, row 1 at 3..5 over its cached first three tokens.
+        (out,) = cg.gm(torch.stack([seq0, seq1[3:]]), torch.tensor([[0, 1, 2], [3, 4, 5]]), span(16))
+        ref0, ref1 = model(seq0[None]).logits[0], model(seq1[None]).logits[0, 3:]
+    torch.testing.assert_close(out[0], ref0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], ref1, atol=1e-4, rtol=1e-4)
 
 
 class _NoStack(nn.Module):

@@ -137,13 +137,25 @@ def test_bench_other_drafters_and_their_transformers_baselines(checkpoint, tmp_p
 
 @pytest.mark.parametrize("draft", ["none", "early-exit:2", "ngram:2", "draft-model:pycoder-draft"])
 def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
+    """profile() times the graphs it names: a delay put into the verify (or decode) graph shows
+    in verify_s and not in draft_s; one put into each draft graph shows in draft_s once per call."""
+    import time
+
     import specfx
     from specfx.cli.common import load_model
 
     model, _, _ = load_model(str(checkpoint))
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
     fast.generate(torch.randint(3, 90, (1, 5)), max_new_tokens=4, eos_token_id=[])
-    draft_s, verify_s = fast.profile(repeats=2)
-    assert verify_s > 0
-    assert (draft_s > 0) == (draft in ("early-exit:2", "draft-model:pycoder-draft"))
-    assert fast.last_stats.verify_s == verify_s
+    DRAFT, VERIFY = 0.002, 0.25
+
+    def delayed(forward, seconds):
+        return lambda *args: (time.sleep(seconds), forward(*args))[1]
+
+    for name, gm in fast.graphs.parts.items():
+        gm.forward = delayed(gm.forward, VERIFY if name in ("verify", "decode") else DRAFT)
+    draft_s, verify_s = fast.profile(repeats=3)
+    calls = sum(fast.graphs.draft_calls.values())         # k + 1 for early exit and the draft model
+    assert calls == (4 if draft in ("early-exit:2", "draft-model:pycoder-draft") else 0)
+    assert verify_s >= VERIFY
+    assert calls * DRAFT <= draft_s < VERIFY

@@ -125,7 +125,7 @@ def test_aoti_round_trip(tmp_path):
     fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=40, batch_size=2,
                           backend="eager")
     fast.export(tmp_path / "a", formats=("aoti",))
-    loaded = specfx.load(tmp_path / "a", format="aoti")
+    loaded = specfx.load(tmp_path / "a", format="aoti", trust_native_code=True)
     # The compiled step writes its inputs in place, as the runtime needs.
     st = loaded.runtime.state
     st.load_prompts([PROMPTS[1]], 8, [])
@@ -135,8 +135,11 @@ def test_aoti_round_trip(tmp_path):
     ref = fast.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[])
     assert_greedy_equal(model, loaded.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[]), ref,
                         PROMPTS.shape[1])
-    sampled = loaded.generate(PROMPTS, MASK, max_new_tokens=8, do_sample=True, seed=1, eos_token_id=[])
-    assert sampled.shape == (2, PROMPTS.shape[1] + 8)
+    # AOTI's sampling step draws what the in-process step draws from the same seed (its kernels
+    # round differently; a flip would need a draw within ~1e-6 of a decision boundary).
+    for seed in (1, 2):
+        kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
+        assert torch.equal(loaded.generate(PROMPTS, MASK, **kw), fast.generate(PROMPTS, MASK, **kw))
 
 
 # --- errors ---
@@ -265,7 +268,7 @@ def test_pycoder_early_exit_pt2_and_aoti_in_a_fresh_process(pycoder, tmp_path):
     for fmt in ("pt2", "aoti"):
         got = fresh_process(f"""
 import json, torch, specfx
-m = specfx.load({str(tmp_path / "pycoder")!r}, format={fmt!r})
+m = specfx.load({str(tmp_path / "pycoder")!r}, format={fmt!r}, trust_native_code=True)
 print(json.dumps([m.generate(torch.tensor(ids), max_new_tokens=64).tolist() for ids in {[p.tolist() for p in prompts]}]))
 """)
         for ids, ref, out in zip(prompts, refs, got):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model, span
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, span, tiny_model, unpadded
 from specfx.capture import capture
 from specfx.mtp import final_hidden, load_head, new_head, save_head, target_parts
 from specfx.mtp_train import MTPTrainConfig, evaluate_head, train_head
@@ -75,8 +75,9 @@ def test_greedy_equals_model_generate(tmp_path, arch, k):
     mask[1, :4] = 0
     ours = fast.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
     for b in range(2):
-        row = ids[b][mask[b].bool()][None]
-        assert_greedy_equal(model, ours[b : b + 1, 9:], hf_greedy(model, row, 12)[:, row.shape[1]:], 0)
+        row = unpadded(ours, ids, mask, b)
+        n = int(mask[b].sum())
+        assert_greedy_equal(model, row, hf_greedy(model, row[:, :n], 12), n)
 
 
 def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
@@ -97,18 +98,12 @@ def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trai
     for b, p in enumerate(prompts):
         ids[b, -len(p):], mask[b, -len(p):] = p, 1
     ours = fast.generate(ids, attention_mask=mask, max_new_tokens=N, eos_token_id=[])
-    parts = target_parts(model)
     accepted = calls = 0
     for b, p in enumerate(prompts):
-        seq = torch.cat([p, ours[b, ids.shape[1]:]])[None]
+        seq = unpadded(ours, ids, mask, b)
         assert_greedy_equal(model, seq, hf_greedy(model, p[None], N), len(p))
         # Offline: pred[q] is the head's guess for the token at q + 2, from the whole sequence.
-        with torch.no_grad():
-            h = final_hidden(model, seq)
-            e = parts.embed(seq[:, 1:])
-            pos = torch.arange(seq.shape[1] - 1)[None]
-            pred = parts.lm_head(head.norm(head(e, h[:, :-1], position_ids=pos,
-                                                position_embeddings=parts.rotary(e, pos)))).argmax(-1)[0]
+        pred = _head_logits(head, model, seq).argmax(-1)[0]
         length = len(p)
         while length < len(p) + N:
             hit = pred[length - 2].item() == seq[0, length].item() if length < seq.shape[1] else False
@@ -134,12 +129,31 @@ def test_head_round_trips_through_its_checkpoint(tmp_path, trained):
     assert config["target"]["hidden_size"] == 64 and len(config["target"]["weights"]["shapes"]) == 16
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_head_loads_for_a_half_precision_copy_of_its_target(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
+def test_head_loads_for_a_half_precision_copy_of_its_target(tmp_path, dtype, atol):
     model = tiny_model("llama", layers=2, seed=1)
     path = _saved(tmp_path, model)
-    head = load_head(path, tiny_model("llama", layers=2, seed=1).to(dtype))
-    assert next(head.parameters()).dtype == dtype
+    ref = load_head(path, model)
+    half = tiny_model("llama", layers=2, seed=1).to(dtype)
+    head = load_head(path, half)
+    for (n, a), (_, b) in zip(ref.state_dict().items(), head.state_dict().items()):
+        assert b.dtype == dtype and torch.equal(b, a.to(dtype)), n
+    # The same predictions, to half precision (logits of size ~2 here).
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    ours, theirs = _head_logits(head, half, ids).float(), _head_logits(ref, model, ids)
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def _head_logits(head, model, seq):
+    """The head's logits [1, n-1, V] over `seq` [1, n]: position q predicts the token at q + 2
+    from (the token at q + 1, the model's final hidden state at q)."""
+    parts = target_parts(model)
+    with torch.no_grad():
+        h = final_hidden(model, seq)
+        e = parts.embed(seq[:, 1:])
+        pos = torch.arange(seq.shape[1] - 1)[None]
+        return parts.lm_head(head.norm(head(e, h[:, :-1], position_ids=pos, position_embeddings=parts.rotary(e, pos))))
 
 
 def test_head_for_another_target_is_refused(tmp_path):

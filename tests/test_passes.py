@@ -114,34 +114,39 @@ def test_share_kv_buffers(setup):
     assert not ShareKVBuffers()(gm).modified
 
 
-def test_fuse_spec_step_inlines_calls_and_keeps_numerics():
+@pytest.mark.parametrize("draft, calls", [("early-exit:2", ["draft"] * 4 + ["verify"]), ("ngram:2", ["target"])])
+def test_fuse_spec_step_inlines_calls_and_keeps_numerics(draft, calls):
     import specfx
 
     model = tiny_model("llama", layers=L)
-    fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=S,
-                          backend="eager")
-    unfused = fast.graphs.unfused_step
-    calls = [n for n in unfused.graph.nodes if n.op == "call_module"]
-    assert [n.target for n in calls] == ["draft"] * 4 + ["verify"]
-    fused = fast.graphs.step
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=S, backend="eager")
+    unfused, fused = fast.graphs.unfused_step, fast.graphs.step
+    assert [n.target for n in unfused.graph.nodes if n.op == "call_module"] == calls
     assert not any(n.op == "call_module" for n in fused.graph.nodes)
-    # Same state in, same state out.
-    ids = torch.randint(3, 96, (1, 6))
-    fast.generate(ids, max_new_tokens=2)
+    # Same state in (an active row, its prompt's KV written), same state and KV out.
     st = fast.graphs.state
-    snapshot = [t.clone() for t in st.step_args()[:-1]] + [[t.clone() for t in st.kv]]
+    ids = torch.randint(3, 96, (6,), generator=torch.Generator().manual_seed(1))
+    st.load_prompts([ids], 12, [])
+    fast.runtime.prefill(6)
+    before = _state(st)
     with torch.no_grad():
         fused(*st.step_args())
-    after_fused = [t.clone() for t in st.step_args()[:-1]]
-    for t, s in zip(st.step_args()[:-1], snapshot[:-1]):
-        t.copy_(s)
-    for t, s in zip(st.kv, snapshot[-1]):
+    after_fused = _state(st)
+    for t, s in zip(st.tensors().values(), before.values()):
         t.copy_(s)
     with torch.no_grad():
         unfused(*st.step_args())
-    for a, b in zip(after_fused, st.step_args()[:-1]):
-        assert torch.equal(a, b)
+    after_unfused = _state(st)
+    assert after_fused["lengths"].item() > before["lengths"].item()      # the step wrote tokens ...
+    assert not torch.equal(after_fused["kv_0"], before["kv_0"])          # ... and KV
+    for name, t in after_fused.items():
+        assert torch.equal(t, after_unfused[name]), name
     assert not FuseSpecStep()(fused).modified
+
+
+def _state(st) -> dict[str, torch.Tensor]:
+    """A copy of every state tensor (KV included), by name."""
+    return {name: t.clone() for name, t in st.tensors().items()}
 
 
 def test_check_no_host_sync_flags_syncs_and_passes_the_step():

@@ -11,6 +11,8 @@ from specfx import zoo
 
 pytestmark = pytest.mark.slow
 
+FLOORS = {"mtp": 2.2, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
+
 
 @pytest.fixture(scope="module")
 def references(pycoder):
@@ -46,17 +48,33 @@ def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, references
         assert_greedy_equal(model, fast.generate(ids, max_new_tokens=32), ref, ids.shape[1])
         calls += fast.last_stats.target_calls
         accepted += fast.last_stats.mean_accepted * fast.last_stats.target_calls
-    if draft == "mtp":   # the shipped head drafts well for the model it was trained for
-        assert accepted / calls > 2.0
+    # Exactness cannot catch a broken drafter (verification repairs every wrong draft); these
+    # floors can: tokens per target call over the prompts, measured at 32 new tokens each
+    # (2.69, 2.35 and 1.40 when written).
+    assert accepted / calls > FLOORS[draft], (draft, accepted / calls)
 
 
-def test_zoo_quality_floor():
-    target, draft = zoo.info("pycoder")["heldout"], zoo.info("pycoder-draft")["heldout"]
-    assert target["top1"] >= 0.45
-    assert draft["greedy_agreement_with_target"] >= 0.55
-    # Early exit is useful: accuracy rises with depth and the middle of the stack already predicts.
-    by_exit = target["top1_by_exit"]
-    assert by_exit[-1] == max(by_exit)
-    assert by_exit[len(by_exit) // 4] > 0.3
-    head = zoo.info("pycoder-mtp")
-    assert head["heldout"]["top1_agreement"] >= 0.6 and head["acceptance"]["mean_accepted"] >= 2.0
+def test_zoo_quality_floor(pycoder):
+    """Measured here, on two held-out windows (not read from the figures recorded at training):
+    the models predict held-out code, the early exits predict more with depth, and the draft
+    model and the MTP head agree with pycoder."""
+    from specfx.mtp import load_head
+    from specfx.mtp_train import evaluate_head, sample_windows
+    from specfx.zoo import corpus
+    from specfx.zoo.build import EVAL_WINDOW, evaluate
+
+    model, tok = pycoder
+    _, heldout = corpus.split(corpus.list_files())
+    windows = sample_windows(corpus.token_stream(tok, heldout[::4]), 2, EVAL_WINDOW + 1, seed=0)
+    target = [evaluate(model, w) for w in windows]
+    top1 = sum(r["top1"] for r in target) / 2
+    by_exit = [sum(r["top1_by_exit"][i] for r in target) / 2 for i in range(len(target[0]["top1_by_exit"]))]
+    # Measured when written: 0.35; exits 0.20 .. 0.35 (0.32 at a quarter depth); 0.51; 0.67.
+    assert top1 > 0.3, top1
+    assert by_exit[-1] >= max(by_exit) - 0.02 and by_exit[-1] > by_exit[0] + 0.1, by_exit
+    assert by_exit[len(by_exit) // 4] > 0.25, by_exit
+    draft, _ = zoo.load("pycoder-draft")
+    agreement = sum(evaluate(draft, w, teacher=model)["greedy_agreement_with_target"] for w in windows) / 2
+    assert agreement > 0.45, agreement
+    head = evaluate_head(load_head(zoo.path("pycoder-mtp"), model), model, windows)["top1_agreement"]
+    assert head > 0.6, head

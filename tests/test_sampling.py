@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import tiny_model
+from helpers import assert_greedy_equal, hf_greedy, tiny_model
 from specfx.passes import find_host_syncs
 from specfx.runtime.sampling import race, speculative_accept, warp
 
@@ -117,10 +117,9 @@ def _exact_two_token_marginals(model, prompt, T):
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
-@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
-                                     ("draft-model", 2), ("mtp", 2)])
-def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
-    model = tiny_model("llama", layers=3, vocab=V_SMALL, seed=4)
+def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
+    """Total variation between the sampled distribution of the first two new tokens (4096 draws)
+    and their exact marginals under the model."""
     if draft == "draft-model":
         draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6))
     if draft == "mtp":
@@ -138,11 +137,29 @@ def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
         counts1 += torch.bincount(out[:, 4], minlength=V_SMALL)
         counts2 += torch.bincount(out[:, 5], minlength=V_SMALL)
     p1, p2 = _exact_two_token_marginals(model, prompt, T)
+    # Spread out: a sampler stuck on the top token would be off by 1 - max(p) > 0.4 in TV.
+    assert p1.max() < 0.6 and p2.max() < 0.6, (p1.max(), p2.max())
     N = B * runs
-    tv1 = 0.5 * (counts1 / N - p1).abs().sum().item()
-    tv2 = 0.5 * (counts2 / N - p2).abs().sum().item()
+    return 0.5 * (counts1 / N - p1).abs().sum().item(), 0.5 * (counts2 / N - p2).abs().sum().item()
+
+
+@pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
+                                     ("draft-model", 2), ("mtp", 2)])
+def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, k, tmp_path)
     # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
     assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+
+
+def test_a_wrong_sampler_fails_the_distribution_test(tmp_path, monkeypatch):
+    """Accepting every draft (the draft's distribution, not the model's) is caught by the same TV bound."""
+    from specfx.runtime import step
+
+    real = step.speculative_accept
+    monkeypatch.setattr(step, "speculative_accept",
+                        lambda drafts, q, p, uniforms, noise: real(drafts, q, p, uniforms * 0, noise))
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), "early-exit:1", 3, tmp_path)
+    assert max(tv1, tv2) > 0.05, (tv1, tv2)
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens():
@@ -174,5 +191,13 @@ def test_sampling_step_has_no_host_sync_and_compiles_fullgraph():
     fast.graphs.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
     explain = torch._dynamo.explain(step)(*fast.graphs.state.step_args())
     assert explain.graph_break_count == 0
-    out = fast.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=6, do_sample=True, seed=0)
-    assert out.shape == (1, 9)
+    # The compiled step samples the tokens the uncompiled one does from the same seed (Inductor
+    # rounds differently; a flip would need a draw within ~1e-6 of a decision boundary).
+    eager = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=32, backend="eager")
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    for seed in (0, 1):
+        kw = dict(max_new_tokens=16, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
+        assert torch.equal(fast.generate(ids, **kw), eager.generate(ids, **kw))
+    # Sampling with top_k=1 is greedy: the model's own tokens.
+    out = fast.generate(ids, max_new_tokens=16, do_sample=True, top_k=1, seed=0, eos_token_id=[])
+    assert_greedy_equal(model, out, hf_greedy(model, ids, 16), 5)

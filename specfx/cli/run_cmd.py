@@ -17,7 +17,7 @@ from pathlib import Path
 EPILOG = """examples:
   specfx export pycoder --draft early-exit -o artifacts/pycoder-ee
   specfx run artifacts/pycoder-ee --prompt "def parse(path):"
-  specfx run artifacts/pycoder-ee --prompt "import os" --format aoti --max-new-tokens 64
+  specfx run artifacts/pycoder-ee --prompt "import os" --format aoti --trust-native-code --max-new-tokens 64
 """
 
 
@@ -27,6 +27,9 @@ def add_parser(sub):
     p.add_argument("artifact", help="folder written by `specfx export`")
     p.add_argument("--prompt", required=True, help="text to complete")
     p.add_argument("--format", default="pt2", choices=["pt2", "aoti"], help="programs to load (default: pt2)")
+    p.add_argument("--trust-native-code", action="store_true",
+                   help="allow --format aoti: it runs the artifact's compiled native code in this process; "
+                        "only for an artifact you built or trust")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens to generate")
     p.add_argument("--device", default=None, help="device to run on (default: where it was exported)")
     return p
@@ -36,7 +39,8 @@ def run(args) -> int:
     t_enter, since_start = time.perf_counter(), process_age()
     import specfx      # already imported with specfx.cli: its time is in the first row
 
-    model = specfx.load(args.artifact, format=args.format, device=args.device)
+    model = specfx.load(args.artifact, format=args.format, device=args.device,
+                        trust_native_code=args.trust_native_code)
     t_load = time.perf_counter()
     tok = _tokenizer(Path(args.artifact))
     ids = tok.encode(args.prompt).ids
