@@ -1,13 +1,15 @@
 """skinny_matmul: linears over few rows become a product and a sum that Inductor generates itself.
 
-`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows becomes
+`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows (M <= MAX_ROWS) becomes
 
-    sum(W[:, None, :] * x[None, :, :], -1)  -> [N, M], read as [M, N]
+    stack([sum(W * x[m], -1) for m in range(M)])          -> [M, N]
 
-which Inductor lowers to one reduction that loads each weight row once and reuses it for all M
-rows, at close to the machine's streaming speed, where a BLAS call at M = 1..k+1 streams the
-weights several times slower (DESIGN.md, "Kernels"). Which (M, N, K) to rewrite is an input:
-`choose(M, N, K) -> Choice`, decided by measurement (`specfx.matmul_choice`), never by rule.
+M reductions over the same weight, which Inductor fuses into one loop that loads each weight
+vector once and multiplies it into M accumulators: the weights stream at close to the
+machine's speed, where a BLAS call at M = 1..k+1 streams them several times slower (DESIGN.md,
+"Kernels"). x is materialized first, so the pointwise ops that produce it (a norm) run once,
+not once per weight row. Which (M, N, K) to rewrite is an input: `choose(M, N, K) -> Choice`,
+decided by measurement (`specfx.matmul_choice`), never by rule.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch._inductor import inductor_prims
 
 from specfx.passes.graph_utils import finish, insert_call
 from specfx.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
+MAX_ROWS = 16            # the rewrite unrolls one reduction per row; wider matmuls stay BLAS calls
+# Inductor computes its input into a buffer of this layout (identity in eager and export, see
+# `strip_materialize`).
+MATERIALIZE = inductor_prims.force_stride_order
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,8 @@ class SkinnyMatmul(Pass):
             shape = _linear_shape(node)
             if shape is None:
                 continue
-            choice = self.choose(*shape)
+            choice = self.choose(*shape) if shape[0] <= MAX_ROWS else \
+                Choice(False, f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS})")
             (rewrote if choice.reduce else kept)[choice.reason] += 1
             if choice.reduce:
                 _rewrite(gm, node, *shape)
@@ -77,13 +85,28 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
     lead = list(x.meta["val"].shape[:-1])
     with gm.graph.inserting_before(node):
         rows = insert_call(gm, aten.reshape.default, (x, [M, K]))
-        rows = insert_call(gm, torch.ops.prims.inductor_force_stride_order.default, (rows, [K, 1]))
-        prod = insert_call(gm, aten.mul.Tensor, (insert_call(gm, aten.unsqueeze.default, (w, 1)),
-                                                 insert_call(gm, aten.unsqueeze.default, (rows, 0))))  # [N, M, K]
-        out = insert_call(gm, aten.permute.default, (insert_call(gm, aten.sum.dim_IntList, (prod, [-1])), [1, 0]))
+        rows = insert_call(gm, MATERIALIZE, (rows, [K, 1]))
+        sums = [insert_call(gm, aten.sum.dim_IntList,
+                            (insert_call(gm, aten.mul.Tensor, (w, insert_call(gm, aten.select.int, (rows, 0, m)))), [-1]))
+                for m in range(M)]                                                          # M x [N]
+        out = insert_call(gm, aten.stack.default, (sums, 0))                                # [M, N]
         if bias is not None:
             out = insert_call(gm, aten.add.Tensor, (out, bias))
         out = insert_call(gm, aten.reshape.default, (out, [*lead, N]))
     out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
+
+
+def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` without the rewrite's materialization hints (for torch.export / ONNX,
+    which do not know Inductor's prims); values are unchanged."""
+    import copy
+
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
+    for node in list(out.graph.nodes):
+        if node.op == "call_function" and node.target is MATERIALIZE:
+            node.replace_all_uses_with(node.args[0])
+            out.graph.erase_node(node)
+    out.recompile()
+    return out

@@ -30,7 +30,6 @@ CUDA graphs cannot be serialized: on CUDA, `load` captures the step before the f
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ from torch import fx, nn
 from specfx import __version__
 from specfx.artifact import (FORMAT_VERSION, LOADABLE, MANIFEST, WEIGHTS, LoadedModel, dtype_name, load_artifact,
                              read_manifest, sha256)
+from specfx.passes.skinny_matmul import strip_materialize
 from specfx.runtime.state import STEP_INPUTS
 
 FORMATS = ("pt2", "aoti", "onnx")
@@ -172,8 +172,9 @@ def _span_dynamic(module, args: tuple, state):
 
 
 def _lean(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy holding only the attributes its graph reads (passes leave unused KV buffers behind)."""
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
+    """A copy holding only the attributes its graph reads (passes leave unused KV buffers behind),
+    without Inductor-only hints (`strip_materialize`)."""
+    return strip_materialize(gm)
 
 
 def _writes(ep, inputs: list[str]) -> list[str]:

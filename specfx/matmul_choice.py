@@ -91,9 +91,9 @@ class MatmulPlan:
         return self.measured[key]
 
 
-def reduce_form(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T as the skinny_matmul pass writes it."""
-    return (w[:, None, :] * x[None, :, :]).sum(-1).t()
+def reduce_form(w: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [rows, K] @ w[N, K].T as the skinny_matmul pass writes it."""
+    return torch.stack([(w * x[m]).sum(-1) for m in range(rows)], 0)
 
 
 def measure(weights: list[torch.Tensor], M: int) -> dict:
@@ -104,7 +104,7 @@ def measure(weights: list[torch.Tensor], M: int) -> dict:
     args = [*weights, *(xs[K] for K in ks)]
     out = {"linears": len(weights)}
     with torch.no_grad():
-        for name, kernel in (("blas_ms", lambda w, x: F.linear(x, w)), ("reduce_ms", reduce_form)):
+        for name, kernel in (("blas_ms", lambda w, x: F.linear(x, w)), ("reduce_ms", lambda w, x: reduce_form(w, x, M))):
             fn = torch._inductor.compile(_all_linears(weights, ks, kernel), args)
             times = []
             for r in range(REPEATS + 1):

@@ -1,0 +1,75 @@
+"""Attention over the host-chosen span: masks, windows, both forms, and the runtime's choice of span."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specfx
+from helpers import assert_greedy_equal, hf_greedy, span, tiny_model
+from specfx.attention import attend, visibility
+from specfx.capture import capture
+
+
+def test_visibility_masks_later_slots_and_slots_outside_the_window():
+    pos = torch.tensor([[2, 5]])
+    assert visibility(pos, 7, 0)[0, 0].int().tolist() == [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0]]
+    assert visibility(pos, 7, 3)[0, 0].int().tolist() == [[1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_reduce_form_equals_sdpa_form_with_grouped_heads(softcap):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g),
+               torch.randn(2, 2, 10, 8, generator=g))
+    visible = visibility(torch.tensor([[4, 5, 6], [7, 8, 9]]), 10, 4)
+    a = attend(q, k, v, visible, 0.3, softcap, reduce=True)
+    b = attend(q, k, v, visible, 0.3, softcap, reduce=False)
+    assert a.shape == (2, 3, 4, 8)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_span_reads_only_its_slots():
+    """Within the span, outputs equal those over the whole cache; a span that leaves out a
+    visible slot changes them (so the runtime's choice of span matters)."""
+    model = tiny_model("llama", layers=2)
+    cg = capture(model, width=2, max_seq_len=64)
+    with torch.no_grad():
+        cg.gm(torch.randint(3, 96, (1, 2)), torch.tensor([[0, 1]]), span(64))
+        for name, buf in cg.gm.named_buffers():                      # stale entries past position 3
+            if name.startswith("kv_"):
+                buf[:, 4:].normal_()
+        ids, pos = torch.randint(3, 96, (1, 2)), torch.tensor([[2, 3]])
+        full = cg.gm(ids, pos, span(64))[0]
+        live = cg.gm(ids, pos, span(4))[0]
+        short = cg.gm(ids, pos, span(3))[0]
+    torch.testing.assert_close(live, full, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(short[0, 1], full[0, 1], atol=1e-3)
+
+
+@pytest.mark.parametrize("draft", ["none", "early-exit:1", "mtp"])
+def test_runtime_spans_cover_every_position(draft, tmp_path):
+    """The live span the runtime picks gives the tokens the whole cache gives, over prompts that
+    span several prefill chunks and generations that cross span blocks."""
+    model = tiny_model("qwen2", layers=2, seed=4)
+    if draft == "mtp":
+        from specfx.mtp import new_head, save_head
+
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=200, backend="eager")
+    assert fast.runtime.live_span
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1))
+    live = fast.generate(ids, max_new_tokens=60, eos_token_id=[])
+    spans = fast.graphs.state.span.shape[0]
+    fast.runtime.live_span = False                                  # the whole cache every step
+    whole = fast.generate(ids, max_new_tokens=60, eos_token_id=[])
+    assert spans < fast.graphs.state.seq_len and spans % 64 == 0
+    assert torch.equal(live, whole)
+
+
+def test_sliding_window_stays_exact_past_the_window():
+    model = tiny_model("mistral", layers=2, sliding_window=8, seed=6)
+    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=3, max_seq_len=96, backend="eager")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(2))
+    ours = fast.generate(ids, max_new_tokens=40, eos_token_id=[])
+    assert_greedy_equal(model, ours, hf_greedy(model, ids, 40), 12)
