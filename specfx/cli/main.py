@@ -16,6 +16,7 @@ COMMANDS = {
     "train": "train",
     "export": "export_cmd",
     "run": "run_cmd",
+    "roofline": "roofline_cmd",
 }
 
 

@@ -1,0 +1,140 @@
+"""How far a compiled step runs from the machine's weight-streaming limit.
+
+A decode step on a CPU (or a small batch on a GPU) reads every weight once: its floor is the
+time the machine needs to stream those bytes. `roofline(model, ...)` measures
+
+- the **probe**: the machine's GB/s on the model's own weight bytes, the fastest of
+  (a) every linear of the model at one row through the skinny-matmul reduction, compiled by
+  Inductor, (b) the same through BLAS, (c) a sum over one flat buffer of the same size;
+- the bytes one **decode** step (one row) and one **verify** step (k+1 rows) read: every weight
+  matrix, the embedding rows and the live KV cache of a `context`-token sequence;
+- each step's time (its graph alone, as `SpeculativeModel.profile` times it) and achieved GB/s,
+  and that as a fraction of the probe.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import fx
+
+REPEATS = 15
+
+
+@dataclass
+class StepRoof:
+    name: str
+    rows: int
+    weight_bytes: int
+    kv_bytes: int
+    ms: float
+
+    @property
+    def gbps(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / self.ms / 1e6
+
+
+@dataclass
+class Roofline:
+    device: str
+    threads: int
+    context: int
+    probes: dict[str, float]                 # probe -> GB/s
+    steps: list[StepRoof] = field(default_factory=list)
+
+    @property
+    def probe_gbps(self) -> float:
+        return max(self.probes.values())
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "threads": self.threads, "context": self.context, "probes_gbps": self.probes,
+                "probe_gbps": self.probe_gbps,
+                "steps": [{**asdict(s), "gbps": s.gbps, "fraction_of_probe": s.gbps / self.probe_gbps}
+                          for s in self.steps]}
+
+
+def linear_weights(model) -> list[torch.Tensor]:
+    """The 2-D weights a step multiplies by (the embedding is read one row per token)."""
+    embed = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
+    out, seen = [], set()
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and p is not embed and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p.detach())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and head.weight is embed:                 # tied: the head reads it all
+        out.append(head.weight.detach())
+    return out
+
+
+def probes(weights: list[torch.Tensor]) -> dict[str, float]:
+    """GB/s of the machine on these weights' bytes, three ways (see the module docstring)."""
+    from specfx.matmul_choice import measure
+
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    linears = measure(weights, 1)
+    flat = torch.empty(nbytes // weights[0].element_size(), dtype=weights[0].dtype,
+                       device=weights[0].device).normal_()
+    gm = fx.symbolic_trace(lambda x: x.sum())
+    with torch.no_grad():
+        total = torch._inductor.compile(gm, [flat])
+    sum_ms = _median_ms(lambda: total(flat))
+    return {"linears, skinny reduction": nbytes / linears["reduce_ms"] / 1e6,
+            "linears, BLAS": nbytes / linears["blas_ms"] / 1e6,
+            "flat sum": nbytes / sum_ms / 1e6}
+
+
+def kv_bytes(model, context: int) -> int:
+    """Bytes of the KV cache of `context` tokens (all layers, keys and values)."""
+    from specfx.capture import kv_shape, text_config
+
+    config = text_config(model)
+    B, _, H, D = kv_shape(config, 1, context)
+    return 2 * config.num_hidden_layers * context * H * D * next(model.parameters()).element_size()
+
+
+def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024) -> Roofline:
+    """Probe, then time the decode and verify graphs of `model` at a `context`-token sequence."""
+    import specfx
+
+    weights = linear_weights(model)
+    wbytes = sum(w.numel() * w.element_size() for w in weights)
+    emb = model.get_input_embeddings().weight
+    device = next(model.parameters()).device
+    result = Roofline(str(device), torch.get_num_threads(), context, probes(weights))
+    prompt = torch.randint(3, min(emb.shape[0], 1000), (1, context), device=device)
+    for name, draft, rows in (("decode", "none", 1), ("verify", "ngram:3", k + 1)):
+        fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len)
+        fast.generate(prompt, max_new_tokens=2, eos_token_id=[])
+        _, verify_s = fast.profile(repeats=REPEATS)
+        row_bytes = rows * emb.shape[1] * emb.element_size()
+        result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), verify_s * 1e3))
+    return result
+
+
+def render(r: Roofline):
+    from rich.table import Table
+
+    t = Table(title=f"roofline on {r.device} ({r.threads} threads), context {r.context} tokens")
+    for col in ("", "rows", "weights MB", "live KV MB", "ms", "GB/s", "of probe"):
+        t.add_column(col, justify="left" if not col else "right")
+    for name, gbps in r.probes.items():
+        t.add_row(f"probe: {name}", "1", "", "", "", f"{gbps:.1f}", "best" if gbps == r.probe_gbps else "")
+    for s in r.steps:
+        t.add_row(f"{s.name} step", str(s.rows), f"{s.weight_bytes / 1e6:.1f}", f"{s.kv_bytes / 1e6:.2f}",
+                  f"{s.ms:.3f}", f"{s.gbps:.1f}", f"{s.gbps / r.probe_gbps:.0%}")
+    return t
+
+
+def _median_ms(fn) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
