@@ -21,7 +21,7 @@ import torch
 
 from specfx.runtime.memory import PeakMemory
 
-HF_METHODS = ("hf-greedy", "hf-early-exit", "hf-sample")
+HF_METHODS = ("hf-greedy", "hf-early-exit", "hf-sample", "hf-static-compile")
 SPECFX_PREFIX = "specfx:"
 
 
@@ -97,7 +97,7 @@ def _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling=None):
 
 # method -> (what its argument means, the default argument); None: takes no argument.
 METHODS = {
-    "hf-greedy": None, "hf-sample": None,
+    "hf-greedy": None, "hf-sample": None, "hf-static-compile": None,
     "hf-early-exit": "exit layer (default: the model's)",
     "hf-assisted": "draft checkpoint (default: pycoder-draft)",
     "hf-prompt-lookup": "prompt_lookup_num_tokens (default: k)",
@@ -128,8 +128,10 @@ def parse_method(method: str, default_exit: int, k: int) -> tuple[str, str | Non
     return base, arg or None
 
 
-def _hf_kwargs(base: str, arg: str | None, model) -> dict:
+def _hf_kwargs(base: str, arg: str | None, model, max_seq_len: int) -> dict:
     """generate() arguments of a transformers baseline."""
+    if base == "hf-static-compile":
+        return hf_static_compile_kwargs(max_seq_len)
     if base == "hf-early-exit":
         return {"assistant_early_exit": int(arg)}
     if base == "hf-prompt-lookup":
@@ -143,6 +145,16 @@ def _hf_kwargs(base: str, arg: str | None, model) -> dict:
         assistant = AutoModelForCausalLM.from_pretrained(str(zoo.resolve(arg)), dtype=param.dtype)
         return {"assistant_model": assistant.to(param.device).eval()}
     return {}
+
+
+def hf_static_compile_kwargs(max_seq_len: int) -> dict:
+    """transformers' own fast path: a static cache of one fixed length (so no prompt recompiles
+    it) and the decoding forward compiled by `generate` itself, on any device."""
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True            # transformers compiles on CUDA only by default
+    return {"cache_implementation": "static", "max_cache_len": max_seq_len, "compile_config": compile_config}
 
 
 def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model_name: str,
@@ -187,9 +199,9 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
             config = f"k={fast.num_speculative_tokens}" if draft != "none" else ""
             gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling)  # noqa: E731
         else:
-            if (base == "hf-sample") != (sampling is not None):
+            if base in ("hf-greedy", "hf-sample") and (base == "hf-sample") != (sampling is not None):
                 raise ValueError("hf-sample is the sampling baseline: use it with --sample (and hf-greedy without)")
-            kw = _hf_kwargs(base, arg, model)
+            kw = _hf_kwargs(base, arg, model, max_seq_len)
             gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw)  # noqa: E731
         log(f"[bench] {name}: warm-up, then {repeats} x {len(prompts)} prompts")
         for ids in encoded[:warmup]:
