@@ -147,7 +147,7 @@ def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
     model, _, _ = load_model(str(checkpoint))
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
     fast.generate(torch.randint(3, 90, (1, 5)), max_new_tokens=4, eos_token_id=[])
-    DRAFT, VERIFY = 0.002, 0.25
+    DRAFT, VERIFY = 0.01, 0.6        # apart by more than a loaded machine moves an eager forward
 
     def delayed(forward, seconds):
         return lambda *args: (time.sleep(seconds), forward(*args))[1]
