@@ -88,7 +88,14 @@ def target_parts(model: nn.Module) -> TargetParts:
     missing = [name for name, part in found.items() if part is None and not name.startswith("rotary")]
     if missing:
         raise ValueError(f"cannot attach an MTP head to {type(model).__name__}: not found: {', '.join(missing)}")
-    return TargetParts(config, *found.values())
+    parts = TargetParts(config, *found.values())
+    width = getattr(parts.embed, "embedding_dim", config.hidden_size)
+    if width != config.hidden_size:
+        raise ValueError(
+            f"cannot attach an MTP head to {type(model).__name__}: its token embeddings ({width} wide) are "
+            f"projected to the hidden size ({config.hidden_size}) (an embedding projection), which the head "
+            "does not model; use another drafter")
+    return parts
 
 
 def _norm_eps(config) -> float:
