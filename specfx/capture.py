@@ -11,8 +11,11 @@
   `specfx.attention`).
 
 Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
-past_key_values, use_cache` and calls `cache.update(k, v, layer_idx)` can be captured; that is
-every transformers decoder with a static-cache path (Llama, Qwen2/3, Mistral, Gemma, ...).
+past_key_values, use_cache`, calls `cache.update(k, v, layer_idx)` and runs its attention through
+transformers' `AttentionInterface` can be captured; that is every transformers decoder with a
+static-cache path (Llama, Qwen2/3, Mistral, Gemma, GPT-2, OPT, Phi, ...: tests/helpers.py
+FAMILIES). A model whose attention bypasses the interface (Falcon, BLOOM) is refused by name.
+Eval-mode dropouts are removed from the graphs (identities that FX would keep as random ops).
 """
 
 from __future__ import annotations

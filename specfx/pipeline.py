@@ -18,9 +18,8 @@ from specfx.capture import StaticDecoder, architecture, capture, example_span, e
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
-                           FuseSpecStep, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul, StructureError,
-                           StructureMap,
-                           TruncateAtExit, check_exit_layer)
+                           FuseSpecStep, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
+                           StructureError, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import StaticState
 from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPPrefill, MTPStep,
                                  PromptLookupStep, trace_step)
