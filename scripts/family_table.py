@@ -35,7 +35,8 @@ REFUSAL = re.compile(r"^test_unsupported_family_is_refused_naming_the_part\[(.+)
 
 def run_tests(junit: Path) -> None:
     env = dict(os.environ, SPECFX_ALL_FAMILIES="1")
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_families.py", "tests/test_half_precision.py",
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "tests/test_families.py",
+                    "tests/test_half_precision.py",
                     f"--junitxml={junit}"], cwd=ROOT, env=env, check=False)
 
 
