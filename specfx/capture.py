@@ -86,7 +86,8 @@ def position_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> 
 
 def architecture(model: nn.Module) -> str:
     """How errors name a model: its class and `model_type`."""
-    return f"{type(model).__name__} ({getattr(text_config(model), 'model_type', '?')})"
+    model_type = getattr(text_config(model), "model_type", None)
+    return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__
 
 
 class StaticDecoder(nn.Module):
