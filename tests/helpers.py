@@ -31,7 +31,9 @@ def tiny_model(arch: str = "llama", *, layers: int = 4, vocab: int = 96, seed: i
 
 
 # Hugging Face decoder families: the structural variants each one covers, and the config
-# overrides of its tiny random-init model. Windows of 16 tokens, so that tests run past them.
+# overrides of its tiny random-init model (None drops a common key the family does not take,
+# e.g. num_key_value_heads where every head has its own KV). Windows of 16 tokens, so that
+# tests run past them.
 FAMILIES = {
     "llama": ("rotary, RMSNorm, untied head", {}),
     "mistral": ("sliding window", dict(sliding_window=16)),
@@ -77,8 +79,10 @@ def family_model(family: str, *, layers: int = 4, vocab: int = 96, seed: int = 0
     """A tiny random-init model of a transformers family (`FAMILIES` or `REFUSED`), as `tiny_model`."""
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, n_layer=layers)
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
     kw.update(FAMILIES[family][1] if family in FAMILIES else {})
+    if "n_embd" in kw:                 # GPT-2 / GPT-J names
+        kw["n_layer"] = layers
     kw.update(extra)
     torch.manual_seed(seed)
     config = AutoConfig.for_model(family, **{k: v for k, v in kw.items() if v is not None})

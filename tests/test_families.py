@@ -89,3 +89,12 @@ def test_sliding_window_changes_the_output():
 
 def test_family_list_covers_twenty_families():
     assert len(FAMILIES) >= 20
+
+
+def test_eval_mode_dropouts_leave_the_graph():
+    # Kept, a dropout after the embedding would keep the embedding (and input_ids) alive in an
+    # early exit's verify graph, which starts after it (Phi, GPT-NeoX, StarCoder2, GPT-2).
+    from specfx.capture import capture
+
+    gm = capture(family_model("phi", layers=2), width=1, max_seq_len=16).gm
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
