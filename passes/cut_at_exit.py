@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from specfx.passes.find_structure import StructureMap
+from specfx.passes.find_structure import StructureError, StructureMap
 from specfx.passes.graph_utils import erase_nodes, finish, layer_nodes, node_named
 from specfx.passes.infra import Pass, PassResult
 
@@ -26,7 +26,9 @@ class CutAtExit(Pass):
         erase_nodes(gm, layer_nodes(gm, s.stack_path, lambda i: i < E))
         finish(gm)
         if input_ids.users:
-            raise RuntimeError(f"input_ids still used after the cut by {[u.name for u in input_ids.users]}")
+            raise StructureError(
+                f"layers >= {E} still read input_ids (through {[u.name for u in input_ids.users]}), "
+                "so the verify graph cannot start from the exit hidden states; use another drafter")
         gm.graph.erase_node(input_ids)
         gm.meta["inputs"] = ["exit_hidden", "positions"]
         return PassResult(finish(gm), True, info={"erased_layers": E})

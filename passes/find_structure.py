@@ -3,7 +3,8 @@
 Every node of an exported graph carries `meta["nn_module_stack"]`, the chain of modules that
 produced it. From that chain alone, with no architecture-specific node names:
 
-- the decoder stack is the module path `P` with the most children `P.0, P.1, ...`;
+- the decoder stack is the module path `P` with the most children `P.0, P.1, ...`, among
+  those not nested in another such list;
 - layer i's residual output is the last node in `P.i` that a node outside `P.i` uses;
 - the head is every node between the last layer's output and the logits (final norm, lm_head,
   and any logit soft-capping), so an early exit copies exactly what the model itself does;
@@ -89,7 +90,9 @@ def _find_stack(gm: fx.GraphModule) -> tuple[str, str]:
             "decoder stack not found: no module list of repeated layers (paths like "
             "'model.layers.0') appears in the graph's nn_module_stack metadata"
         )
-    stack = max(children, key=lambda p: (len(children[p]), -len(p)))
+    # A list inside a layer (StableLM's per-head QK norms) is not the stack, however long.
+    outer = [p for p in children if not any(p.startswith(q + ".") for q in children if q != p)]
+    stack = max(outer, key=lambda p: (len(children[p]), -len(p)))
     n = len(children[stack])
     if children[stack] != set(range(n)):
         raise StructureError(f"decoder stack {stack!r} has non-contiguous layers {sorted(children[stack])}")
@@ -123,8 +126,9 @@ def find_structure(gm: fx.GraphModule) -> StructureMap:
             )
         kv_buffers.append((_mutated_buffer(writes[0]), _mutated_buffer(writes[1])))
 
+    ids = _views_of(input_ids)
     embedding = next((n for n in nodes if n.op == "call_function"
-                      and n.target is torch.ops.aten.embedding.default and input_ids in n.all_input_nodes), None)
+                      and n.target is torch.ops.aten.embedding.default and len(n.args) > 1 and n.args[1] in ids), None)
     if embedding is None:
         raise StructureError("embedding not found: no aten.embedding reads input_ids")
 
@@ -150,6 +154,21 @@ def find_structure(gm: fx.GraphModule) -> StructureMap:
         hidden_size=int(val.shape[-1]) if val is not None else -1,
         vocab_size=int(lval.shape[-1]) if lval is not None else -1,
     )
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.squeeze.dim, torch.ops.aten.flatten.using_ints, torch.ops.aten.contiguous.default}
+
+
+def _views_of(node: fx.Node) -> set[fx.Node]:
+    """`node` and the nodes that only reshape it (GPT-2 and OPT embed `input_ids.view(...)`)."""
+    seen, stack = {node}, [node]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "call_function" and u.target in _VIEWS and u.args[0] in seen and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
 
 
 def _mutated_buffer(node: fx.Node) -> str | None:

@@ -39,6 +39,7 @@ class _Bound:
     positions: torch.Tensor        # [B, W] long: each query's position
     span: torch.Tensor             # [L]: attention reads cache slots 0..L-1
     reduce: bool
+    calls: int = 0                 # attention calls so far (0 after a forward: the model bypasses us)
 
 
 _bound: list[_Bound] = []          # the forward being captured (innermost last)
@@ -92,6 +93,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by specfx")
     b = _bound[-1]
+    b.calls += 1
     L = b.span.shape[0]
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     visible = visibility(b.positions, L, int(sliding_window or 0))
@@ -122,9 +124,10 @@ def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool):
     saved = [c.__dict__.get(_IMPL, _UNSET) for c in configs]
     for c in configs:
         setattr(c, _IMPL, NAME)
-    _bound.append(_Bound(positions, span, reduce))
+    bound = _Bound(positions, span, reduce)
+    _bound.append(bound)
     try:
-        yield
+        yield bound
     finally:
         _bound.pop()
         for c, value in zip(configs, saved):

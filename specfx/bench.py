@@ -176,7 +176,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     k = k or getattr(model.config, "specfx_num_speculative_tokens", None)
     settings = dict(prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
                     greedy=sampling is None, sampling=sampling, backend=backend, max_seq_len=max_seq_len,
-                    threads=torch.get_num_threads())
+                    threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     result = BenchResult(model_name, _device_name(device), settings)
     baseline = "hf-greedy" if sampling is None else "hf-sample"
     reference = None

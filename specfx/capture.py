@@ -11,8 +11,11 @@
   `specfx.attention`).
 
 Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
-past_key_values, use_cache` and calls `cache.update(k, v, layer_idx)` can be captured; that is
-every transformers decoder with a static-cache path (Llama, Qwen2/3, Mistral, Gemma, ...).
+past_key_values, use_cache`, calls `cache.update(k, v, layer_idx)` and runs its attention through
+transformers' `AttentionInterface` can be captured; that is every transformers decoder with a
+static-cache path (Llama, Qwen2/3, Mistral, Gemma, GPT-2, OPT, Phi, ...: tests/helpers.py
+FAMILIES). A model whose attention bypasses the interface (Falcon, BLOOM) is refused by name.
+Eval-mode dropouts are removed from the graphs (identities that FX would keep as random ops).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import fx, nn
 from transformers.cache_utils import Cache
 
 from specfx import attention
-from specfx.passes.find_structure import StructureMap, find_structure
+from specfx.passes.find_structure import StructureError, StructureMap, find_structure
 
 KV_PREFIX = "kv_"
 
@@ -81,6 +84,12 @@ def position_mask(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> 
     return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
 
 
+def architecture(model: nn.Module) -> str:
+    """How errors name a model: its class and `model_type`."""
+    model_type = getattr(text_config(model), "model_type", None)
+    return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__
+
+
 class StaticDecoder(nn.Module):
     """A causal LM over static KV buffers; `forward(input_ids, positions, span) -> logits`.
 
@@ -109,12 +118,26 @@ class StaticDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
         mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
-        with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention):
-            out = self.model(
-                input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                past_key_values=_ScatterCache(self, positions), use_cache=True,
-            )
+        with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention) as bound:
+            try:
+                out = self.model(
+                    input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                    past_key_values=_ScatterCache(self, positions), use_cache=True,
+                )
+            except Exception as e:
+                if not bound.calls:
+                    raise _no_attention(self.model) from e
+                raise
+        if not bound.calls:
+            raise _no_attention(self.model)
         return out.logits
+
+
+def _no_attention(model: nn.Module) -> StructureError:
+    return StructureError(
+        f"{architecture(model)}: attention not found: its layers compute attention themselves instead of "
+        "through transformers' AttentionInterface, so they would not see specfx's static KV cache and "
+        "position mask; this architecture is not supported")
 
 
 @dataclass
@@ -139,7 +162,10 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     pos = static_positions(batch_size, width, device)
     gm = export_graph(decoder, (ids, pos, example_span(max_seq_len, device)), span_arg=2,
                       width_args=(0, 1) if dynamic_width else ())
-    structure = find_structure(gm)
+    try:
+        structure = find_structure(gm)
+    except StructureError as e:
+        raise StructureError(f"{architecture(model)}: {e}") from e
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
 
 
@@ -184,6 +210,11 @@ def _span_max(module: nn.Module) -> int:
     return module.max_seq_len
 
 
+def _is_eval_dropout(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.dropout.default
+            and (len(node.args) < 3 or node.args[2] is False))
+
+
 def _plain_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """Make the unlifted module a plain graph: flat positional inputs, a tuple of outputs.
 
@@ -196,6 +227,11 @@ def _plain_graph(gm: fx.GraphModule) -> fx.GraphModule:
             gm.graph.erase_node(node)
             delattr(gm, "_guards_fn")
         elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+        elif _is_eval_dropout(node):
+            # Identity in eval mode, but a random op to FX, so dead-code elimination would keep
+            # it (and the embedding it reads) in a graph cut after that embedding.
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.graph._codegen = fx.graph.CodeGen()
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -29,6 +29,7 @@ the target it was trained for (architecture, sizes and a signature of its weight
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import warnings
 from dataclasses import dataclass
@@ -54,26 +55,54 @@ class TargetParts:
     config: object
     embed: nn.Module
     lm_head: nn.Module
-    rotary: nn.Module
+    rotary: nn.Module | None       # None where positions are learned embeddings (GPT-2, OPT)
     layers: nn.ModuleList
     norm: nn.Module
+
+    def position_embeddings(self, embeds: torch.Tensor, positions: torch.Tensor):
+        """What the decoder passes its layers as `position_embeddings`: the rotary (cos, sin) of
+        the head layer's attention type, or None for a family without a rotary module."""
+        if self.rotary is None:
+            return None
+        if "layer_type" in inspect.signature(self.rotary.forward).parameters:   # one rotary per layer type
+            return self.rotary(embeds, positions, layer_type=self.config.layer_types[0])
+        return self.rotary(embeds, positions)
+
+
+_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 
 def target_parts(model: nn.Module) -> TargetParts:
     """Find the embedding, lm_head, rotary embedding, decoder layers and final norm of `model`."""
     config = text_config(model)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    children = dict(decoder.named_children()) if isinstance(decoder, nn.Module) else {}
+    stacks = [m for m in children.values() if isinstance(m, nn.ModuleList)]
     found = {
         "embedding (get_input_embeddings)": model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
         "lm_head (get_output_embeddings)": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None,
-        "rotary embedding (decoder.rotary_emb)": getattr(decoder, "rotary_emb", None),
-        "decoder layers (decoder.layers)": getattr(decoder, "layers", None),
-        "final norm (decoder.norm)": getattr(decoder, "norm", None),
+        "rotary embedding (decoder.rotary_emb)": children.get("rotary_emb"),
+        "decoder layers (a ModuleList in the decoder)": max(stacks, key=len) if stacks else None,
+        f"final norm (decoder.{'/'.join(_NORM_NAMES)})": next((children[n] for n in _NORM_NAMES if n in children), None),
     }
-    missing = [name for name, part in found.items() if part is None]
+    missing = [name for name, part in found.items() if part is None and not name.startswith("rotary")]
     if missing:
         raise ValueError(f"cannot attach an MTP head to {type(model).__name__}: not found: {', '.join(missing)}")
-    return TargetParts(config, *found.values())
+    parts = TargetParts(config, *found.values())
+    width = getattr(parts.embed, "embedding_dim", config.hidden_size)
+    if width != config.hidden_size:
+        raise ValueError(
+            f"cannot attach an MTP head to {type(model).__name__}: its token embeddings ({width} wide) are "
+            f"projected to the hidden size ({config.hidden_size}) (an embedding projection), which the head "
+            "does not model; use another drafter")
+    return parts
+
+
+def _norm_eps(config) -> float:
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        if isinstance(getattr(config, key, None), float):
+            return getattr(config, key)
+    return 1e-6
 
 
 class DraftHead(nn.Module):
@@ -81,18 +110,24 @@ class DraftHead(nn.Module):
 
     def __init__(self, config, layer_cls: type, norm_cls: type):
         super().__init__()
-        H, eps = config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)
+        H, eps = config.hidden_size, _norm_eps(config)
         self.enorm, self.hnorm, self.norm = norm_cls(H, eps=eps), norm_cls(H, eps=eps), norm_cls(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList([layer_cls(config, layer_idx=0)])
+        # Layers name their cache argument differently (GPT-NeoX: layer_past).
+        params = inspect.signature(layer_cls.forward).parameters
+        self._cache_arg = next((a for a in ("cache", "layer_past", "past_key_values") if a in params),
+                               "past_key_values")
 
     def forward(self, embeds, hidden, *, position_ids, position_embeddings, attention_mask=None, cache=None):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
+        kwargs = {self._cache_arg: cache} if cache is not None else {}
+        if position_embeddings is not None:
+            kwargs["position_embeddings"] = position_embeddings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
             out = self.layers[0](x, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=cache, use_cache=cache is not None,
-                                 position_embeddings=position_embeddings)
+                                 use_cache=cache is not None, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -217,6 +252,7 @@ class StaticHead(nn.Module):
         super().__init__()
         parts = target_parts(target)
         self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
+        self.parts = parts    # its modules are the ones registered here
         self.max_seq_len, self.with_logits = max_seq_len, True
         param = next(target.parameters())
         self.config, self.reduce_attention = parts.config, param.device.type == "cpu"
@@ -232,7 +268,7 @@ class StaticHead(nn.Module):
         embeds = self.embed(input_ids)
         with attention.bind(self.config, positions, span, reduce=self.reduce_attention):
             g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
-                          position_embeddings=self.rotary(embeds, positions),
+                          position_embeddings=self.parts.position_embeddings(embeds, positions),
                           attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
                           cache=_ScatterCache(self, positions))
         if not self.with_logits:             # refill and prefill only write the head's KV

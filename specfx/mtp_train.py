@@ -80,7 +80,7 @@ def head_loss(head: DraftHead, parts, ids: torch.Tensor, hidden: torch.Tensor, r
     h = hidden[:, : T - 1].to(embeds.dtype)
     pos = torch.arange(T - 1, device=ids.device)[None].expand(ids.shape[0], -1)
     # An explicit causal mask: not every attention backend infers one when given none.
-    g = head(embeds, h, position_ids=pos, position_embeddings=parts.rotary(embeds, pos),
+    g = head(embeds, h, position_ids=pos, position_embeddings=parts.position_embeddings(embeds, pos),
              attention_mask=position_mask(pos, T - 1, embeds.dtype))
     logits = parts.lm_head(head.norm(g)).float()
     with torch.no_grad():

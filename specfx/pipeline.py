@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from specfx.capture import StaticDecoder, capture, example_span, export_graph, static_positions
+from specfx.capture import StaticDecoder, architecture, capture, example_span, export_graph, static_positions
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
-                           FuseSpecStep, Pass, PassManager, ShareKVBuffers, SkinnyMatmul, StructureMap,
-                           TruncateAtExit, check_exit_layer)
+                           FuseSpecStep, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
+                           StructureError, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import StaticState
 from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPPrefill, MTPStep,
                                  PromptLookupStep, trace_step)
@@ -166,7 +166,12 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
                     structure=target.structure, k=k, drafter=drafter, prefill_chunk=chunk,
                     max_seq_len=max_seq_len)
     ctx = BuildContext(graphs, pm, target, drafter, k, seq_len, batch_size, model, matmul)
-    graphs.make_step, k_eff = builder(ctx)
+    try:
+        graphs.make_step, k_eff = builder(ctx)
+    except PassError as e:
+        if isinstance(e.__cause__, StructureError):   # a part the drafter needs: the user's to act on
+            raise StructureError(f"{architecture(model)}, drafter {drafter}: {e.__cause__}") from e
+        raise
     kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
                                         vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)

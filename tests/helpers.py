@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig,
                           Qwen2Config)
 
 from specfx.exactness import greedy_mismatch
@@ -28,6 +28,71 @@ def tiny_model(arch: str = "llama", *, layers: int = 4, vocab: int = 96, seed: i
             if p.dim() >= 2:
                 p.mul_(4.0)
     return model.eval()
+
+
+# Hugging Face decoder families: the structural variants each one covers, and the config
+# overrides of its tiny random-init model (None drops a common key the family does not take,
+# e.g. num_key_value_heads where every head has its own KV). Windows of 16 tokens, so that
+# tests run past them.
+FAMILIES = {
+    "llama": ("rotary, RMSNorm, untied head", {}),
+    "mistral": ("sliding window", dict(sliding_window=16)),
+    "mixtral": ("mixture of experts, sliding window",
+                dict(sliding_window=16, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("QKV bias, sliding window on upper layers",
+              dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen3": ("QK-norm", dict(head_dim=16)),
+    "qwen2_moe": ("mixture of experts with a shared expert",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64)),
+    "gemma": ("embedding multiplier, tied head", dict(head_dim=16)),
+    "gemma2": ("alternating sliding window, attention and logit soft-capping",
+               dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+                    attn_logit_softcapping=50.0)),
+    "gemma3_text": ("alternating sliding window, QK-norm",
+                    dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2)),
+    "phi": ("parallel attention+MLP, partial rotary, LayerNorm with bias", dict(partial_rotary_factor=0.5)),
+    "phi3": ("fused QKV, fused gate/up", {}),
+    "gpt2": ("learned absolute positions, Conv1D, LayerNorm with bias, tied head",
+             dict(n_embd=64, n_head=4, n_positions=512, n_inner=128, num_key_value_heads=None)),
+    "gpt_neox": ("parallel attention+MLP, partial rotary, fused QKV",
+                 dict(rotary_pct=0.25, num_key_value_heads=None)),
+    "stablelm": ("partial rotary, LayerNorm with bias, QK-norm", dict(partial_rotary_factor=0.25, qk_layernorm=True)),
+    "granite": ("embedding, residual, attention and logit multipliers",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1,
+                     logits_scaling=8.0)),
+    "olmo2": ("QK-norm, post-norm", {}),
+    "starcoder2": ("LayerNorm with bias, sliding window", dict(sliding_window=16)),
+    "cohere": ("parallel attention+MLP, logit scale, tied head", dict(logit_scale=0.5)),
+    "cohere2": ("alternating sliding window, parallel attention+MLP", dict(sliding_window=16, sliding_window_pattern=2)),
+    "smollm3": ("layers without rotary", dict(no_rope_layer_interval=2)),
+    "opt": ("learned absolute positions (offset 2), embedding projection",
+            dict(ffn_dim=128, word_embed_proj_dim=32, num_key_value_heads=None)),
+    "gptj": ("parallel attention+MLP, partial interleaved rotary",
+             dict(n_embd=64, n_head=4, n_positions=512, n_inner=128, rotary_dim=8, num_key_value_heads=None)),
+}
+# Families specfx refuses, and the words of the refusal.
+REFUSED = {"falcon": "attention not found", "bloom": "attention not found"}
+
+
+def family_model(family: str, *, layers: int = 4, vocab: int = 96, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, **extra):
+    """A tiny random-init model of a transformers family (`FAMILIES` or `REFUSED`), as `tiny_model`."""
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(FAMILIES[family][1] if family in FAMILIES else {})
+    if "n_embd" in kw:                 # GPT-2 / GPT-J names
+        kw["n_layer"] = layers
+    kw.update(extra)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **{k: v for k, v in kw.items() if v is not None})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    return model.to(dtype).eval()
 
 
 def span(length: int) -> torch.Tensor:

@@ -98,3 +98,23 @@ def test_draft_model_spec_needs_a_model():
         specfx.parse_draft("draft-model")
     with pytest.raises(TypeError, match="DraftModel"):
         specfx.DraftModel(3)
+
+
+def test_head_that_reads_token_ids_refuses_early_exit_by_name():
+    from transformers import LlamaForCausalLM
+
+    class TokenBias(LlamaForCausalLM):
+        """A head that adds a per-token bias of the input ids: the verify remainder needs the ids."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.token_bias = torch.nn.Parameter(torch.randn(config.vocab_size))
+
+        def forward(self, input_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.logits = out.logits + self.token_bias[input_ids][..., None]
+            return out
+
+    model = TokenBias(tiny_model("llama", layers=3).config).eval()
+    with pytest.raises(ValueError, match=r"TokenBias \(llama\), drafter early-exit:1: layers >= 1 still read input_ids"):
+        specfx.compile(model, draft="early-exit:1", max_seq_len=32, backend="eager")

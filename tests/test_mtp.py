@@ -153,7 +153,7 @@ def _head_logits(head, model, seq):
         h = final_hidden(model, seq)
         e = parts.embed(seq[:, 1:])
         pos = torch.arange(seq.shape[1] - 1)[None]
-        return parts.lm_head(head.norm(head(e, h[:, :-1], position_ids=pos, position_embeddings=parts.rotary(e, pos))))
+        return parts.lm_head(head.norm(head(e, h[:, :-1], position_ids=pos, position_embeddings=parts.position_embeddings(e, pos))))
 
 
 def test_head_for_another_target_is_refused(tmp_path):
@@ -220,7 +220,7 @@ def test_mtp_artifact_round_trip(tmp_path):
 
 
 def test_unsupported_model_names_the_missing_part():
-    class NoRotary(torch.nn.Module):
+    class NoLayers(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.config = tiny_model("llama", layers=2).config
@@ -232,8 +232,8 @@ def test_unsupported_model_names_the_missing_part():
         def get_output_embeddings(self):
             return torch.nn.Linear(4, 4)
 
-    with pytest.raises(ValueError, match="rotary embedding"):
-        target_parts(NoRotary())
+    with pytest.raises(ValueError, match="decoder layers"):
+        target_parts(NoLayers())
 
 
 def test_mtp_step_has_no_host_sync_and_its_state_layout(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from specfx.cli.common import DTYPES
+
 EPILOG = """examples:
   specfx bench pycoder
   specfx bench pycoder --methods hf-greedy,specfx:none,specfx:early-exit --max-new-tokens 128 --json out.json
@@ -36,6 +38,8 @@ def add_parser(sub):
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step (default: the model's tuned k, else 4)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend for specfx methods")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="load the model in this dtype and run every method in it (not up-cast)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
     p.add_argument("--sample", action="store_true",
@@ -59,7 +63,7 @@ def run(args) -> int:
     console = console_()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, path = load_model(args.model)
+    model, tok, path = load_model(args.model, args.dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, args.task)
     if args.sweep_exit:
         from specfx.sweep import render_sweep, save_default, sweep_exit

@@ -6,15 +6,21 @@ import json
 from pathlib import Path
 
 
-def load_model(name_or_path: str):
-    """(model float32 eval, tokenizer, checkpoint dir) from a zoo name or local directory."""
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load_model(name_or_path: str, dtype: str = "float32"):
+    """(model in `dtype` (one of DTYPES), eval, tokenizer, checkpoint dir) from a zoo name or
+    local directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specfx import zoo
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = zoo.resolve(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     return model, AutoTokenizer.from_pretrained(str(path)), path
 
 

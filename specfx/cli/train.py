@@ -26,6 +26,8 @@ def add_parser(sub):
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
     p.add_argument("--target", default=None, help="mtp only: the zoo model or checkpoint the head drafts for")
     p.add_argument("--windows", type=int, default=2048, help="mtp only: windows of target hidden states to precompute")
+    p.add_argument("--eval-prompts", type=int, default=16,
+                   help="mtp only: evaluation prompts over which the head's acceptance is measured")
     p.add_argument("--regression-weight", type=float, default=0.5, help="mtp only: weight of the feature regression")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--task", choices=["completion", "editing"], default="completion",
@@ -64,7 +66,8 @@ def run(args) -> int:
             raise ValueError("specfx train mtp needs --target (a zoo model or checkpoint directory)")
         info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps,
                          batch_size=args.batch_size or 8, seq_len=args.seq_len, lr=args.lr or 1e-3,
-                         windows=args.windows, regression_weight=args.regression_weight, seed=args.seed)
+                         windows=args.windows, regression_weight=args.regression_weight, seed=args.seed,
+                         num_prompts=args.eval_prompts)
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(

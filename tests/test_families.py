@@ -1,0 +1,100 @@
+"""Greedy exactness across Hugging Face decoder families (`helpers.FAMILIES`), every drafter.
+
+Each family's tiny random model generates well past its sliding window (16) where it has one.
+The whole family x drafter matrix takes minutes on one core, so by default each family runs one
+drafter, in turn (every drafter runs on several families), and the four families that
+tests/test_exactness.py covers run none here; SPECFX_ALL_FAMILIES=1 runs the whole matrix, as
+`scripts/family_table.py` does to write README's table.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import specfx
+from helpers import FAMILIES, REFUSED, assert_greedy_equal, family_model, hf_greedy
+from specfx.mtp import new_head, save_head
+
+DRAFTERS = ("none", "early-exit:1", "early-exit:2", "ngram:2", "draft-model", "mtp")
+ALL = os.environ.get("SPECFX_ALL_FAMILIES") == "1"
+PROMPT, NEW = 10, 40     # 50 positions: well past a window of 16
+# Family x drafter pairs refused at compile time, and the words of the refusal.
+REFUSED_DRAFTERS = {("opt", "mtp"): "embedding projection"}
+
+
+COVERED = {"llama", "qwen2", "mistral", "gemma"}   # every drafter in tests/test_exactness.py and test_mtp.py
+
+
+def _cases():
+    for i, family in enumerate(FAMILIES):
+        for j, draft in enumerate(DRAFTERS):
+            if ALL or (j == i % len(DRAFTERS) and family not in COVERED):
+                yield family, draft
+
+
+def make_drafter(draft: str, model, family: str, tmp_path, *, dtype=torch.float32):
+    """The drafter config for a name of DRAFTERS: a draft model of 2 layers of the same
+    family, an MTP head with random weights (its layer a copy of the target's last)."""
+    if draft == "draft-model":
+        return specfx.DraftModel(family_model(family, layers=2, seed=7, dtype=dtype))
+    if draft == "mtp":
+        return specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+    return draft
+
+
+def check_family(family: str, draft: str, tmp_path, *, new_tokens: int = NEW, backend: str = "eager"):
+    seed = zlib.crc32(f"{family}/{draft}".encode()) % 1000
+    model = family_model(family, layers=3, seed=seed)
+    fast = specfx.compile(model, draft=make_drafter(draft, model, family, tmp_path),
+                          num_speculative_tokens=3, max_seq_len=64, backend=backend)
+    ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    ours = fast.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])
+    assert_greedy_equal(model, ours, hf_greedy(model, ids, new_tokens, eos_token_id=None), PROMPT)
+    assert fast.last_stats.new_tokens == new_tokens
+
+
+@pytest.mark.parametrize("family,draft", list(_cases()))
+def test_family_greedy_equals_model_generate(family, draft, tmp_path):
+    if (family, draft) in REFUSED_DRAFTERS:
+        with pytest.raises(ValueError, match=REFUSED_DRAFTERS[family, draft]):
+            check_family(family, draft, tmp_path)
+    else:
+        check_family(family, draft, tmp_path)
+
+
+@pytest.mark.slow
+def test_family_compiled_with_inductor(tmp_path):
+    # Learned positions and Conv1D through the Inductor path, with an early exit's cut graphs.
+    check_family("gpt2", "early-exit:1", tmp_path, backend="inductor")
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_unsupported_family_is_refused_naming_the_part(family):
+    model = family_model(family, layers=2)
+    with pytest.raises(ValueError, match=rf"{type(model).__name__} \({family}\): {REFUSED[family]}"):
+        specfx.compile(model, draft="early-exit:1", max_seq_len=32, backend="eager")
+
+
+def test_sliding_window_changes_the_output():
+    # Without this, a window the model ignored would pass the tests above for the wrong reason.
+    ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    windowed = hf_greedy(family_model("mistral", seed=1), ids, NEW)
+    full = hf_greedy(family_model("mistral", seed=1, sliding_window=None), ids, NEW)
+    assert not torch.equal(windowed, full)
+
+
+def test_family_list_covers_twenty_families():
+    assert len(FAMILIES) >= 20
+
+
+def test_eval_mode_dropouts_leave_the_graph():
+    # Kept, a dropout after the embedding would keep the embedding (and input_ids) alive in an
+    # early exit's verify graph, which starts after it (Phi, GPT-NeoX, StarCoder2, GPT-2).
+    from specfx.capture import capture
+
+    gm = capture(family_model("phi", layers=2), width=1, max_seq_len=16).gm
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
