@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m specfx.demo
 
+# One worker per core (pytest-xdist); each worker runs torch on one thread (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 # On a CUDA machine with torch/transformers/triton preinstalled (no network needed).
 gpu-check:

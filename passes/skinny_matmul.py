@@ -53,8 +53,12 @@ class SkinnyMatmul(Pass):
             shape = _linear_shape(node)
             if shape is None:
                 continue
-            choice = self.choose(*shape) if shape[0] <= MAX_ROWS else \
-                Choice(False, f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS})")
+            if not isinstance(shape[0], int):
+                choice = Choice(False, "rows not static (a prefill of any width): BLAS")
+            elif shape[0] > MAX_ROWS:
+                choice = Choice(False, f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
+            else:
+                choice = self.choose(*shape)
             (rewrote if choice.reduce else kept)[choice.reason] += 1
             if choice.reduce:
                 _rewrite(gm, node, *shape)
@@ -69,11 +73,12 @@ class SkinnyMatmul(Pass):
 
 
 def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
-    """(M, N, K) of `aten.linear(x, W[N, K])` with static shapes, else None."""
+    """(M, N, K) of `aten.linear(x, W[N, K])`, M a SymInt where x's rows are symbolic; None for
+    any other node (or a weight not 2-D)."""
     if node.op != "call_function" or node.target is not aten.linear.default:
         return None
     x, w = node.args[0].meta.get("val"), node.args[1].meta.get("val")
-    if x is None or w is None or w.dim() != 2 or not all(isinstance(d, int) for d in x.shape):
+    if x is None or w is None or w.dim() != 2:
         return None
     N, K = w.shape
     return math.prod(x.shape[:-1]), N, K

@@ -69,9 +69,13 @@ def _static(gm: fx.GraphModule) -> bool:
 
 
 def inspect_model(model, draft, *, name: str = "model", k: int | None = None,
-                  max_seq_len: int = 256) -> InspectReport:
+                  max_seq_len: int = 256, skinny_matmul: bool | None = None) -> InspectReport:
+    """The graphs `specfx.compile` builds (by default with the passes its Inductor backend runs,
+    the skinny-matmul rewrite included on CPU), not compiled."""
+    if skinny_matmul is None:
+        skinny_matmul = next(model.parameters()).device.type == "cpu"
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
-                          backend="eager", warmup=False)
+                          backend="eager", warmup=False, skinny_matmul=skinny_matmul)
     g = fast.graphs
     # A state with one short prompt, so dynamo traces the step over real values.
     g.state.load_prompts([torch.zeros(2, dtype=torch.long)], 1, [])

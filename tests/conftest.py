@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker has a core of its own; alone, the tests use up to two threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")

@@ -257,22 +257,20 @@ def test_cli_export_then_run(checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_pycoder_early_exit_pt2_and_aoti_in_a_fresh_process(pycoder, tmp_path):
+def test_pycoder_early_exit_pt2_in_a_fresh_process(pycoder, tmp_path):
+    """The embedded model's artifact, loaded by a new interpreter, decodes exactly the same
+    tokens (AOTInductor's round trip runs on a tiny model: test_aoti_round_trip)."""
     from specfx import zoo
 
     model, tok = pycoder
     fast = specfx.compile(model, draft="early-exit", max_seq_len=256, backend="eager")
-    fast.export(tmp_path / "pycoder", formats=("pt2", "aoti"))
+    fast.export(tmp_path / "pycoder", formats=("pt2",))
     prompts = [tok(p, return_tensors="pt").input_ids for p in zoo.prompts()[:3]]
     refs = [fast.generate(ids, max_new_tokens=64) for ids in prompts]
-    for fmt in ("pt2", "aoti"):
-        got = fresh_process(f"""
+    got = fresh_process(f"""
 import json, torch, specfx
-m = specfx.load({str(tmp_path / "pycoder")!r}, format={fmt!r}, trust_native_code=True)
+m = specfx.load({str(tmp_path / "pycoder")!r}, format="pt2")
 print(json.dumps([m.generate(torch.tensor(ids), max_new_tokens=64).tolist() for ids in {[p.tolist() for p in prompts]}]))
 """)
-        for ids, ref, out in zip(prompts, refs, got):
-            if fmt == "pt2":                                      # the very same ops: identical
-                assert out == ref.tolist()
-            else:                                                 # Inductor's kernels: near-ties may flip
-                assert_greedy_equal(model, torch.tensor(out), ref, ids.shape[1])
+    for ref, out in zip(refs, got):
+        assert out == ref.tolist()                               # the very same ops: identical
