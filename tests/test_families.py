@@ -67,9 +67,17 @@ def test_family_greedy_equals_model_generate(family, draft, tmp_path):
 
 
 @pytest.mark.slow
-def test_family_compiled_with_inductor(tmp_path):
-    # Learned positions and Conv1D through the Inductor path, with an early exit's cut graphs.
-    check_family("gpt2", "early-exit:1", tmp_path, backend="inductor")
+@pytest.mark.parametrize("family,draft", [
+    ("gpt2", "early-exit:1"),         # learned positions, Conv1D, LayerNorm with bias, tied head
+    ("gpt_neox", "draft-model"),      # parallel attention+MLP, partial rotary, fused QKV
+    ("gemma2", "early-exit:2"),       # alternating sliding window, soft-capping
+    ("granite", "ngram:2"),           # embedding, residual, attention and logit multipliers
+    ("qwen3", "none"),                # QK-norm
+    ("mixtral", "early-exit:1"),      # mixture of experts
+])
+def test_family_compiled_with_inductor(family, draft, tmp_path):
+    # One compiled case per structural variant: Inductor, the skinny-matmul rewrite and the span.
+    check_family(family, draft, tmp_path, backend="inductor")
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
