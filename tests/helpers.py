@@ -75,6 +75,23 @@ FAMILIES = {
 REFUSED = {"falcon": "attention not found", "bloom": "attention not found"}
 
 
+def tiny_checkpoint(path, family: str = "llama", *, layers: int = 4, seed: int = 2, eos: bool = False):
+    """Save a tiny `family_model` with the embedded models' tokenizer (its vocabulary size) to
+    `path`, as a checkpoint directory the CLI loads, and return the model; `eos`: the
+    tokenizer's EOS id is the model's."""
+    from transformers import AutoTokenizer
+
+    from specfx import zoo
+
+    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
+    model = family_model(family, layers=layers, vocab=len(tok), seed=seed)
+    if eos:
+        model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
 def family_model(family: str, *, layers: int = 4, vocab: int = 96, seed: int = 0,
                  dtype: torch.dtype = torch.float32, **extra):
     """A tiny random-init model of a transformers family (`FAMILIES` or `REFUSED`), as `tiny_model`."""

@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from helpers import tiny_model
+from helpers import tiny_checkpoint
 from specfx import zoo
 from specfx.cli.main import main
 
@@ -16,12 +15,7 @@ from specfx.cli.main import main
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
-    model = tiny_model("llama", layers=4, vocab=len(tok), seed=2)
-    model.config.eos_token_id = tok.eos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    tiny_checkpoint(path, layers=4, seed=2, eos=True)
     return path
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import assert_greedy_equal, tiny_model
+from helpers import assert_greedy_equal, tiny_checkpoint, tiny_model
 from specfx.cli.main import main
 
 PROMPTS = torch.tensor([[0, 0, 0, 5, 17, 9, 33, 41], [7, 8, 9, 10, 11, 12, 13, 14]])
@@ -222,16 +222,8 @@ def test_export_replaces_a_previous_artifact(copy, fast):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from specfx import zoo
-
     path = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
-    model = tiny_model("llama", layers=4, vocab=len(tok), seed=2)
-    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    tiny_checkpoint(path, layers=4, seed=2, eos=True)
     return path
 
 

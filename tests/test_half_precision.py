@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import family_model, hf_greedy, assert_greedy_equal
+from helpers import assert_greedy_equal, family_model, hf_greedy, tiny_checkpoint
 from test_families import DRAFTERS, PROMPT, make_drafter
 
 FAMILIES = ("llama", "gemma2", "gpt2")     # rotary; soft-capping with sliding windows; learned positions
@@ -53,15 +53,9 @@ def test_bfloat16_sampling_keeps_the_distribution(tmp_path):
 
 
 def test_bench_accepts_bfloat16(tmp_path):
-    from transformers import AutoTokenizer
-
-    from specfx import zoo
     from specfx.cli.main import main
 
-    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
-    model = family_model("llama", layers=3, vocab=len(tok), seed=2)
-    model.save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
+    tiny_checkpoint(tmp_path / "ckpt", layers=3, seed=2)
     out = tmp_path / "bench.json"
     rc = main(["bench", str(tmp_path / "ckpt"), "--dtype", "bfloat16", "--methods", "hf-greedy,specfx:ngram:2",
                "--num-prompts", "1", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",

@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import json
 
-from transformers import AutoTokenizer
-
 import specfx
-from helpers import family_model
-from specfx import zoo
+from helpers import tiny_checkpoint
 from specfx.cli.main import main
 
 
 def test_train_mtp_for_a_gpt_neox_target(tmp_path):
-    tok = AutoTokenizer.from_pretrained(str(zoo.path("pycoder-draft")))
-    model = family_model("gpt_neox", layers=2, vocab=len(tok), seed=2)
-    model.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
+    model = tiny_checkpoint(tmp_path / "target", "gpt_neox", layers=2, seed=2)
     head_dir = tmp_path / "head"
     rc = main(["train", "mtp", "--target", str(tmp_path / "target"), "--out", str(head_dir), "--steps", "3",
                "--windows", "8", "--seq-len", "32", "--batch-size", "2", "--eval-prompts", "1", "--threads", "1"])
