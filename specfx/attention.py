@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._prims_common import make_contiguous_strides_for
+
+from specfx.passes.skinny_matmul import MATERIALIZE
 
 NAME = "specfx"
 _IMPL = "_attn_implementation_internal"      # what a transformers config's `_attn_implementation` reads
@@ -70,6 +73,9 @@ def attend(q, k, v, visible, scale: float, softcap: float, reduce: bool) -> torc
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * W, D)                                             # query heads by kv head
     if reduce:
+        # Computed once into a buffer: else Inductor inlines the query's rotary (sin, cos)
+        # into the score loop and recomputes it for every cache slot.
+        qg = MATERIALIZE(qg, make_contiguous_strides_for(qg.shape))
         scores = (qg[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)           # [B, Hkv, G*W, L]
     else:
         scores = qg @ k.transpose(-1, -2)

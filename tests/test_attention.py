@@ -47,6 +47,24 @@ def test_a_span_reads_only_its_slots():
     assert not torch.allclose(short[0, 1], full[0, 1], atol=1e-3)
 
 
+def test_reduce_form_computes_each_query_once():
+    """On the CPU form every layer's score product reads its query from a materialized buffer
+    (else Inductor recomputes the query's rotary inside the loop over cache slots); the SDPA
+    form has no such hint."""
+    from specfx.capture import StaticDecoder
+    from specfx.passes.skinny_matmul import MATERIALIZE
+
+    model = tiny_model("llama", layers=3)
+    for reduce, expected in ((True, 3), (False, 0)):
+        decoder = StaticDecoder(model, 1, 32, reduce_attention=reduce)
+        gm = capture(model, width=4, max_seq_len=32, decoder=decoder).gm
+        hints = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MATERIALIZE]
+        assert len(hints) == expected
+        for n in hints:                                            # feeds the q * k product
+            assert any(u.target is torch.ops.aten.unsqueeze.default and
+                       any(m.target is torch.ops.aten.mul.Tensor for m in u.users) for u in n.users)
+
+
 @pytest.mark.parametrize("draft", ["none", "early-exit:1", "mtp"])
 def test_runtime_spans_cover_every_position(draft, tmp_path):
     """The live span the runtime picks gives the tokens the whole cache gives, over prompts that
