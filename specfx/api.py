@@ -64,8 +64,8 @@ class SpeculativeModel:
 
         Greedy by default (equal to `model.generate(do_sample=False)`). With `do_sample=True`
         it samples from the model's distribution after temperature/top-k/top-p (unset values
-        come from the model's generation_config, as in transformers); speculative rejection
-        sampling keeps that distribution exactly. `seed` makes a run reproducible.
+        come from the model's generation_config, then transformers' defaults, top-k 50
+        included); speculative rejection sampling keeps that distribution exactly. `seed` makes a run reproducible.
 
         `input_ids` is 2-D `[batch, prompt_len]` on the model's device; where `attention_mask` is
         0 the token is padding (left or right), dropped. Calls from several threads run one

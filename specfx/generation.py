@@ -20,6 +20,11 @@ import torch
 from specfx.runtime.stats import GenerationStats
 
 
+# What transformers' `generate` samples with where neither the call nor the generation_config
+# sets a value (`GenerationConfig._get_default_generation_params`): top-k 50, not off.
+UNSET_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """What `generate` falls back to when an argument is unset (as transformers does)."""
@@ -60,12 +65,13 @@ class GenerationDefaults:
         return eos[0] if eos else 0
 
     def sampling(self, temperature, top_k, top_p, seed) -> dict:
-        """Sampling settings: the arguments, else the configured values, else the neutral ones."""
-        pick = lambda value, configured, neutral: value if value is not None else (  # noqa: E731
-            neutral if configured is None else configured)
-        return dict(temperature=float(pick(temperature, self.temperature, 1.0)),
-                    top_k=int(pick(top_k, self.top_k, 0) or 0), top_p=float(pick(top_p, self.top_p, 1.0)),
-                    seed=seed)
+        """Sampling settings: the arguments, else the configured values, else transformers'
+        own defaults (`UNSET_SAMPLING`), so `do_sample=True` alone samples as `model.generate` does."""
+        pick = lambda value, configured, name: value if value is not None else (  # noqa: E731
+            UNSET_SAMPLING[name] if configured is None else configured)
+        return dict(temperature=float(pick(temperature, self.temperature, "temperature")),
+                    top_k=int(pick(top_k, self.top_k, "top_k") or 0),
+                    top_p=float(pick(top_p, self.top_p, "top_p")), seed=seed)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,18 @@ def test_same_seed_same_tokens_different_seed_different_tokens():
     assert not torch.equal(run(1), run(2))
 
 
+def test_unset_top_k_is_transformers_default_not_off():
+    """`do_sample=True` alone samples as `model.generate(do_sample=True)` does: top-k 50 where
+    neither the call nor the generation_config sets it."""
+    model = tiny_model("llama", layers=2, vocab=256, seed=3)
+    model.generation_config.top_k = None
+    fast = specfx.compile(model, draft="none", max_seq_len=64, backend="eager")
+    ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(0))
+    run = lambda **kw: fast.generate(ids, max_new_tokens=32, do_sample=True, seed=4, eos_token_id=[], **kw)  # noqa: E731
+    assert torch.equal(run(), run(top_k=50))
+    assert not torch.equal(run(), run(top_k=0))
+
+
 def test_bad_sampling_settings_are_refused():
     model = tiny_model("llama", layers=4)
     fast = specfx.compile(model, draft="none", max_seq_len=32, backend="eager")
