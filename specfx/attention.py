@@ -13,9 +13,11 @@ context costs, not what `max_seq_len` costs, with one compiled graph and no reco
 CUDA the runtime passes the whole cache, so the step keeps static shapes for CUDA graphs.
 
 Two forms of the same math:
-- `reduce=True` (CPU): products and sums that Inductor generates itself, which stream the
-  cache; a BLAS-backed SDPA call costs several times more per layer on a few queries here;
-- `reduce=False`: `scaled_dot_product_attention` (fused kernels on CUDA).
+- products and sums that Inductor generates itself, which stream the cache: on the CPU
+  (`reduce=True`) for a fixed width of at most `REDUCE_MAX_QUERIES` queries (decode, drafts,
+  verification), where a BLAS-backed SDPA call costs several times more per layer;
+- `scaled_dot_product_attention`: elsewhere (fused kernels on CUDA), and for the CPU's wide or
+  variable-width prefill, where one product-and-sum per query and slot loses to SDPA's GEMMs.
 Logit soft-capping (Gemma 2's `softcap`) and grouped-query attention are handled in both; a
 model that asks for anything else (attention sinks) is refused.
 """
@@ -33,6 +35,7 @@ from torch._prims_common import make_contiguous_strides_for
 from specfx.passes.skinny_matmul import MATERIALIZE
 
 NAME = "specfx"
+REDUCE_MAX_QUERIES = 16      # wider (or symbolic) query widths take SDPA even where `reduce` is set
 _IMPL = "_attn_implementation_internal"      # what a transformers config's `_attn_implementation` reads
 _UNSET = object()
 
@@ -103,7 +106,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     L = b.span.shape[0]
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     visible = visibility(b.positions, L, int(sliding_window or 0))
-    out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), b.reduce)
+    width = query.shape[2]
+    reduce = b.reduce and isinstance(width, int) and width <= REDUCE_MAX_QUERIES
+    out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce)
     return out, None
 
 
