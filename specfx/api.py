@@ -59,7 +59,7 @@ class SpeculativeModel:
                  max_new_tokens: int = 64, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id=None, pad_token_id: int | None = None, streamer=None,
-                 **unsupported) -> torch.Tensor:
+                 stream_prompt: bool = True, **unsupported) -> torch.Tensor:
         """Generate; returns [B, prompt + new] like `model.generate`.
 
         Greedy by default (equal to `model.generate(do_sample=False)`). With `do_sample=True`
@@ -69,14 +69,16 @@ class SpeculativeModel:
 
         `input_ids` is 2-D `[batch, prompt_len]` on the model's device; where `attention_mask` is
         0 the token is padding (left or right), dropped. Calls from several threads run one
-        after another (the static state is shared).
+        after another (the static state is shared). `stream_prompt=False` hands the streamer
+        only the new tokens (for a caller that has streamed the prompt itself).
         """
         if unsupported:
             raise TypeError(f"unsupported generate arguments: {sorted(unsupported)}")
         out, self.last_stats = generation.generate(
             self.runtime, self.defaults, self.shape, input_ids, attention_mask,
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
+            seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer,
+            stream_prompt=stream_prompt)
         return out
 
     def export(self, out_dir, formats=("pt2", "aoti", "onnx"), *, tokenizer=None):

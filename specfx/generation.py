@@ -91,11 +91,13 @@ def generate(runtime, defaults: GenerationDefaults, shape: StaticShape, input_id
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int = 64, do_sample: bool = False,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
-             streamer=None) -> tuple[torch.Tensor, GenerationStats]:
+             streamer=None, stream_prompt: bool = True) -> tuple[torch.Tensor, GenerationStats]:
     """(`[B, prompt + new]` tokens, stats): `SpeculativeModel.generate`'s semantics.
 
     The arguments are checked here, once per call on the host; then the call holds the state's
-    lock, so concurrent calls on one model run one after another.
+    lock, so concurrent calls on one model run one after another. `stream_prompt=False`: the
+    streamer has had the prompt already (transformers' `generate` hands it over before it
+    calls a `custom_generate`), so it gets only the new tokens.
     """
     prompts = check_inputs(shape, input_ids, attention_mask, max_new_tokens, streamer)
     eos = checked_ids("eos_token_id", defaults.eos_ids(eos_token_id), shape.vocab_size,
@@ -104,7 +106,7 @@ def generate(runtime, defaults: GenerationDefaults, shape: StaticShape, input_id
     pad = checked_ids("pad_token_id", pad, shape.vocab_size, configured=pad_token_id is None)[0]
     sampling = defaults.sampling(temperature, top_k, top_p, seed) if do_sample else None
     with runtime.state.lock:
-        if streamer is not None:
+        if streamer is not None and stream_prompt:
             streamer.put(input_ids[0].cpu())
         rows, stats = runtime.generate(prompts, max_new_tokens, eos, streamer, sampling)
     width = max(len(r) for r in rows)

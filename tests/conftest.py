@@ -7,8 +7,13 @@ import os
 import pytest
 import torch
 
-# Under pytest-xdist each worker has a core of its own; alone, the tests use up to two threads.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker has a core of its own; alone, the tests use up to two threads,
+# or as many as OMP_NUM_THREADS says (two threads on a core that another process keeps busy
+# run many times slower than one).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+elif not os.environ.get("OMP_NUM_THREADS"):
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")
