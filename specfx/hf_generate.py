@@ -194,9 +194,8 @@ def _plan(input_ids, processors, criteria, config, model_kwargs, assistant_model
     if max_new_tokens < 1:
         raise ValueError(f"max_length={min(lengths)} leaves no room for new tokens after the "
                          f"{input_ids.shape[1]}-token input; set max_new_tokens instead")
-    configured_eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    pad = config.pad_token_id if config.pad_token_id is not None else next(
-        (i for i in configured_eos if i is not None), None)
+    # transformers pads with the first EOS id where no pad id is set
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
     return dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
 
 

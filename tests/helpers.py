@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig,
                           Qwen2Config)
+from transformers.generation.streamers import BaseStreamer
 
 from specfx.exactness import greedy_mismatch
 
@@ -115,6 +116,19 @@ def family_model(family: str, *, layers: int = 4, vocab: int = 96, seed: int = 0
 def span(length: int) -> torch.Tensor:
     """A captured graph's `span` input: attention reads cache slots 0..length-1."""
     return torch.zeros(length, dtype=torch.uint8)
+
+
+class RecordingStreamer(BaseStreamer):
+    """A streamer that keeps every token list it is handed (`puts`) and counts `end` calls."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.flatten().tolist())
+
+    def end(self):
+        self.ends += 1
 
 
 def hf_greedy(model, ids, max_new_tokens, attention_mask=None, eos_token_id=None):

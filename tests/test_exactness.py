@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model, unpadded
+from helpers import ARCHS, RecordingStreamer, assert_greedy_equal, hf_greedy, tiny_model, unpadded
 
 # k = 1, a middle k and k + 1 = 7 > the prompt; exits at every inner layer of the 4.
 CASES = ([("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (3, 3), (2, 6)]]
@@ -77,26 +77,15 @@ def test_eos_stops_like_model_generate():
 
 
 def test_streamer_receives_the_generated_tokens():
-    class Collect:
-        def __init__(self):
-            self.chunks = []
-            self.ended = False
-
-        def put(self, t):
-            self.chunks.append(t.tolist())
-
-        def end(self):
-            self.ended = True
-
     model = tiny_model("llama", layers=4, seed=1)
     fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=2, max_seq_len=64,
                           backend="eager", sync_every=2)
     ids = torch.randint(3, 96, (1, 5))
-    s = Collect()
+    s = RecordingStreamer()
     out = fast.generate(ids, max_new_tokens=15, eos_token_id=[], streamer=s)
-    assert s.ended and s.chunks[0] == ids[0].tolist()
-    assert sum(s.chunks[1:], []) == out[0, 5:].tolist()
-    assert len(s.chunks) > 2  # streamed in several pieces, not all at the end
+    assert s.ends == 1 and s.puts[0] == ids[0].tolist()
+    assert sum(s.puts[1:], []) == out[0, 5:].tolist()
+    assert len(s.puts) > 2  # streamed in several pieces, not all at the end
 
 
 def test_decorator_form():

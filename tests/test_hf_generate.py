@@ -12,10 +12,9 @@ import torch
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList, TextStreamer)
 from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.streamers import BaseStreamer
 
 import specfx
-from helpers import assert_greedy_equal, tiny_model, unpadded
+from helpers import RecordingStreamer, assert_greedy_equal, tiny_model, unpadded
 from specfx import hf_generate, zoo
 from specfx.hf_generate import UnsupportedGeneration
 
@@ -24,19 +23,6 @@ def run(model, ids=None, **kwargs):
     """`model.generate`, with or without `custom_generate` among the arguments."""
     with torch.no_grad():
         return model.generate(ids, **kwargs)
-
-
-class Record(BaseStreamer):
-    """Every tensor a streamer is handed, and how often it was ended."""
-
-    def __init__(self):
-        self.puts, self.ends = [], 0
-
-    def put(self, value):
-        self.puts.append(value.flatten().tolist())
-
-    def end(self):
-        self.ends += 1
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,7 @@ def test_streamer_gets_what_plain_generate_streams(pycoder, capsys):
     model, tok = pycoder
     gen = specfx.generate_with(draft="ngram:3", max_seq_len=320, backend="eager", sync_every=2)
     ids = tok(zoo.prompts("completion")[1], return_tensors="pt").input_ids
-    ours, ref = Record(), Record()
+    ours, ref = RecordingStreamer(), RecordingStreamer()
     out = run(model, ids, custom_generate=gen, max_new_tokens=32, streamer=ours)
     run(model, ids, max_new_tokens=32, streamer=ref)
     assert ours.puts[0] == ref.puts[0] == ids[0].tolist()        # the prompt, once
