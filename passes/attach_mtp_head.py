@@ -1,4 +1,4 @@
-"""attach_mtp_head: expose the target's final hidden state, the input an MTP head drafts from."""
+"""attach_mtp_head: expose the target hidden states an MTP head drafts from."""
 
 from __future__ import annotations
 
@@ -10,27 +10,35 @@ from specfx.passes.infra import Pass, PassResult
 
 
 class AttachMTPHead(Pass):
-    """Add the last layer's residual output (h, before the final norm) as an output for the head.
+    """Add the residual outputs of the layers the head taps (by default the last layer's: h,
+    before the final norm) as outputs for the head.
 
     The head itself (`specfx.mtp.StaticHead`, which shares the model's embedding and lm_head)
     is captured as its own graph over its own KV buffer: the step calls it k times to draft and
     once more over the verified positions, and `fuse_spec_step` inlines every call. This pass
     checks the head reads hidden states of this graph's width and makes the verify graph
-    return `(logits, hidden)`.
+    return `(logits, hidden, ...)`, one hidden per tap (`logits=False`, for a prefill graph
+    without a head: `(hidden, ...)`).
     """
 
-    def __init__(self, structure: StructureMap, *, head_hidden_size: int):
+    def __init__(self, structure: StructureMap, *, head_hidden_size: int, taps: tuple[int, ...] | None = None,
+                 logits: bool = True):
         if head_hidden_size != structure.hidden_size:
             raise ValueError(f"MTP head does not fit this model: it reads hidden states of size "
                              f"{head_hidden_size}, the model's are {structure.hidden_size}")
-        self.structure = structure
+        self.taps = tuple(taps) if taps is not None else (structure.num_layers - 1,)
+        bad = [i for i in self.taps if not 0 <= i < structure.num_layers]
+        if bad:
+            raise ValueError(f"MTP head taps layers {bad}; the model has layers 0..{structure.num_layers - 1}")
+        self.structure, self.logits = structure, logits
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         if gm.meta.get("mtp_hidden"):
-            return PassResult(gm, False, f"the final hidden state is already an output ({gm.meta['mtp_hidden']})")
-        hidden = node_named(gm, self.structure.layer_outputs[-1])
+            return PassResult(gm, False, f"the head's hidden states are already outputs ({gm.meta['mtp_hidden']})")
+        hidden = [node_named(gm, self.structure.layer_outputs[i]) for i in self.taps]
         outs = list(output_node(gm).args[0])
-        set_outputs(gm, outs[:1] + [hidden])
-        gm.meta["mtp_hidden"] = hidden.name
-        gm.meta["outputs"] = ["logits", "hidden"]
-        return PassResult(finish(gm), True, info={"hidden": hidden.name})
+        set_outputs(gm, (outs[:1] if self.logits else []) + hidden)
+        gm.meta["mtp_hidden"] = ", ".join(h.name for h in hidden)
+        names = ["hidden"] if len(hidden) == 1 else [f"hidden_{i}" for i in self.taps]
+        gm.meta["outputs"] = (["logits"] if self.logits else []) + names
+        return PassResult(finish(gm), True, info={"hidden": gm.meta["mtp_hidden"], "taps": list(self.taps)})

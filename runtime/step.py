@@ -180,6 +180,12 @@ def head_positions(positions: torch.Tensor, trash: int) -> torch.Tensor:
     return torch.where(positions < 0, trash, positions).clamp(max=trash)
 
 
+def _head_input(combine, out, first: int, taps: int) -> torch.Tensor:
+    """The h a head reads, from a graph's outputs `out[first:first + taps]` at the layers it taps."""
+    features = out[first] if taps == 1 else torch.cat([out[first + i] for i in range(taps)], -1)
+    return features if combine is None else combine(features)[0]
+
+
 def _gather_hidden(history: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """history [B, S, H] at positions [B, W] -> [B, W, H]."""
     return history.gather(1, positions[:, :, None].expand(-1, -1, history.shape[-1]))
@@ -201,9 +207,10 @@ class MTPStep(nn.Module):
     """
 
     def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, verify: fx.GraphModule, *, k: int,
-                 num_kv_target: int, max_pos: int, sample: bool = False):
+                 num_kv_target: int, max_pos: int, sample: bool = False, taps: int = 1,
+                 combine: fx.GraphModule | None = None):
         super().__init__()
-        self.head, self.refill, self.verify = head, refill, verify
+        self.head, self.refill, self.verify, self.combine, self.taps = head, refill, verify, combine, taps
         self.k, self.nt, self.max_pos, self.sample = k, num_kv_target, max_pos, sample
 
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
@@ -227,7 +234,7 @@ class MTPStep(nn.Module):
             qs.append(q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
         out, pos = _verify(self.verify, tokens, last, drafts, self.k, self.max_pos, span, kv_target)
-        target_logits, hidden = out[0], out[1]                        # [B, k+1, V], [B, k+1, H]
+        target_logits, hidden = out[0], _head_input(self.combine, out, 1, self.taps)  # [B, k+1, V], [B, k+1, H]
         emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
                              target_logits, uniforms, noise[:, self.k], warping)
         _scatter_hidden(history, pos, hidden)
@@ -244,12 +251,15 @@ class MTPPrefill(nn.Module):
     p = positions - 1, with h_{p} from the history (the previous chunk wrote the first one).
     """
 
-    def __init__(self, target: fx.GraphModule, head: fx.GraphModule, *, num_kv_target: int, max_pos: int):
+    def __init__(self, target: fx.GraphModule, head: fx.GraphModule, *, num_kv_target: int, max_pos: int,
+                 taps: int = 1, combine: fx.GraphModule | None = None):
         super().__init__()
-        self.target, self.head, self.nt, self.max_pos = target, head, num_kv_target, max_pos
+        self.target, self.head, self.combine, self.taps = target, head, combine, taps
+        self.nt, self.max_pos = num_kv_target, max_pos
 
     def forward(self, input_ids, positions, span, *kv):
-        hidden = self.target(input_ids, positions, span, *[kv[i] for i in range(self.nt)])[0]
+        out = self.target(input_ids, positions, span, *[kv[i] for i in range(self.nt)])
+        hidden = _head_input(self.combine, out, 0, self.taps)
         history = kv[self.nt + 2]
         _scatter_hidden(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)

@@ -196,7 +196,7 @@ def export_graph(module: nn.Module, args: tuple, *, span_arg: int | None = None,
     if span_arg is not None or width_args:
         # DYNAMIC, not a named Dim: a guard that holds over the whole range but that the solver
         # cannot prove (e.g. w * min(16, 32 w) == 16 w) is kept as a guard instead of refused.
-        span = torch.export.Dim.DYNAMIC(min=2, max=_span_max(module))
+        span = torch.export.Dim.DYNAMIC(min=2, max=_span_max(module)) if span_arg is not None else None
         width = torch.export.Dim.DYNAMIC(min=2, max=args[width_args[0]].shape[1]) if width_args else None
         dynamic = tuple({0: span} if i == span_arg else {1: width} if i in width_args else None
                         for i in range(len(args)))

@@ -98,11 +98,16 @@ class MTPHead:
     """
 
     path: str | Path | None = None
+    layout: str | None = None        # None: found from the folder (specfx, eagle, eagle3, deepseek-mtp)
     name = "mtp"
 
     def __post_init__(self):
+        from specfx.heads import LAYOUTS
+
         if self.path is not None and not isinstance(self.path, (str, Path)):
             raise TypeError(f"MTPHead(path): expected a head folder or zoo name, got {type(self.path).__name__}")
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"MTPHead(layout={self.layout!r}): expected one of {', '.join(LAYOUTS)}")
 
     def __str__(self) -> str:
         return "mtp" if self.path is None else f"mtp:{self.path}"
@@ -110,13 +115,13 @@ class MTPHead:
     def load(self, target):
         """The head module for `target` (refused if it was trained for another target)."""
         from specfx import zoo
-        from specfx.mtp import load_head
+        from specfx.heads import load_layout
 
         path = self.path if self.path is not None else default_mtp_head(target)
         p = Path(path)
         if not p.is_dir() and str(path) in zoo.names():
             p = zoo.path(str(path))
-        return load_head(p, target)
+        return load_layout(p, target, self.layout)
 
 
 DrafterConfig = NoDraft | EarlyExit | PromptLookup | DraftModel | MTPHead

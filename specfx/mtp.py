@@ -106,7 +106,13 @@ def _norm_eps(config) -> float:
 
 
 class DraftHead(nn.Module):
-    """`Layer(eh_proj([enorm(e); hnorm(h)]))` with one decoder layer of the target's type."""
+    """`Layer(eh_proj([enorm(e); hnorm(h)]))` with one decoder layer of the target's type.
+
+    The interface `StaticHead` runs (shared with the published layouts in `specfx.heads`):
+    `taps`, `combiner`, `layer_config`, `position_embeddings`, `forward` and `logits`.
+    """
+
+    layout = "specfx"
 
     def __init__(self, config, layer_cls: type, norm_cls: type):
         super().__init__()
@@ -129,6 +135,27 @@ class DraftHead(nn.Module):
             out = self.layers[0](x, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=cache is not None, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    @property
+    def hidden_size(self) -> int:
+        return self.eh_proj.out_features
+
+    def taps(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers whose outputs the head reads: the last one's (h)."""
+        return (num_layers - 1,)
+
+    def combiner(self, parts: TargetParts):
+        """What maps the tapped outputs to the head's h: nothing, h is the last layer's output."""
+        return None
+
+    def layer_config(self, parts: TargetParts):
+        return parts.config
+
+    def position_embeddings(self, parts: TargetParts, embeds, positions):
+        return parts.position_embeddings(embeds, positions)
+
+    def logits(self, parts: TargetParts, g):
+        return parts.lm_head(self.norm(g))
 
 
 def _empty_head(parts: TargetParts) -> DraftHead:
@@ -248,15 +275,15 @@ class StaticHead(nn.Module):
     slots up to it.
     """
 
-    def __init__(self, target: nn.Module, head: DraftHead, batch_size: int, max_seq_len: int):
+    def __init__(self, target: nn.Module, head: nn.Module, batch_size: int, max_seq_len: int):
         super().__init__()
         parts = target_parts(target)
         self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
         self.parts = parts    # its modules are the ones registered here
         self.max_seq_len, self.with_logits = max_seq_len, True
         param = next(target.parameters())
-        self.config, self.reduce_attention = parts.config, param.device.type == "cpu"
-        shape = kv_shape(parts.config, batch_size, kv_slots(max_seq_len))
+        self.config, self.reduce_attention = head.layer_config(parts), param.device.type == "cpu"
+        shape = kv_shape(self.config, batch_size, kv_slots(max_seq_len))
         for kind in "kv":
             self.register_buffer(kv_name(kind, 0), torch.zeros(shape, dtype=param.dtype, device=param.device),
                                  persistent=False)
@@ -268,12 +295,24 @@ class StaticHead(nn.Module):
         embeds = self.embed(input_ids)
         with attention.bind(self.config, positions, span, reduce=self.reduce_attention):
             g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
-                          position_embeddings=self.parts.position_embeddings(embeds, positions),
+                          position_embeddings=self.head.position_embeddings(self.parts, embeds, positions),
                           attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
                           cache=_ScatterCache(self, positions))
         if not self.with_logits:             # refill and prefill only write the head's KV
             return (g,)
-        return self.lm_head(self.head.norm(g)), g
+        return self.head.logits(self.parts, g), g
+
+
+class Combine(nn.Module):
+    """The head's map from the target layers' outputs it taps, concatenated, to its h
+    (`forward(features [B, W, n H]) -> (h [B, W, H],)`), captured as its own graph."""
+
+    def __init__(self, fn: nn.Module):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, features):
+        return (self.fn(features),)
 
 
 def final_hidden(target: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

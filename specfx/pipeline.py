@@ -226,7 +226,7 @@ def _build_prompt_lookup(ctx: BuildContext):
 
 @register(MTPHead)
 def _build_mtp(ctx: BuildContext):
-    from specfx.mtp import StaticHead
+    from specfx.mtp import Combine, StaticHead, target_parts
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
     head = ctx.drafter.load(model)
@@ -234,7 +234,8 @@ def _build_mtp(ctx: BuildContext):
         ctx.matmul.include(head.parameters())
     static = StaticHead(model, head, ctx.batch_size, ctx.seq_len)
     param = next(model.parameters())
-    hidden_size = head.eh_proj.out_features
+    hidden_size, taps = head.hidden_size, head.taps(s.num_layers)
+    combiner = head.combiner(target_parts(model))
 
     def cap(width: int, name: str, logits: bool = False, dynamic: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
@@ -245,20 +246,33 @@ def _build_mtp(ctx: BuildContext):
         gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
         return pm.run_all(ctx.tail(), gm, graph=name)
 
+    def cap_combine(width: int, name: str, dynamic: bool = False) -> fx.GraphModule | None:
+        if combiner is None:
+            return None
+        features = torch.zeros(ctx.batch_size, width, len(taps) * s.hidden_size, dtype=param.dtype,
+                               device=param.device)
+        gm = export_graph(Combine(combiner), (features,), width_args=(0,) if dynamic else ())
+        return pm.run_all(ctx.tail(), gm, graph=name)
+
+    attach = lambda logits: AttachMTPHead(s, head_hidden_size=hidden_size, taps=taps, logits=logits)  # noqa: E731
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
-    verify = pm.run_all([AttachMTPHead(s, head_hidden_size=hidden_size), *ctx.tail()],
-                        ctx.target.capture(k + 1), graph="verify")
+    verify = pm.run_all([attach(True), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
+    target_prefill = ctx.graphs.prefill
+    if taps != (s.num_layers - 1,):          # the prefill graph returns the last layer's output
+        target_prefill = pm.run(attach(False), target_prefill, graph="prefill").graph_module
     nt = 2 * s.num_layers
-    history = torch.zeros(ctx.batch_size, ctx.seq_len, s.hidden_size, dtype=param.dtype, device=param.device)
+    history = torch.zeros(ctx.batch_size, ctx.seq_len, hidden_size, dtype=param.dtype, device=param.device)
     ctx.extra_kv.extend([*static.kv(), history])
-    prefill = MTPPrefill(ctx.graphs.prefill, cap(ctx.graphs.prefill_chunk, "head_prefill", dynamic=True),
-                         num_kv_target=nt, max_pos=ctx.seq_len - 1)
+    prefill = MTPPrefill(target_prefill, cap(ctx.graphs.prefill_chunk, "head_prefill", dynamic=True),
+                         num_kv_target=nt, max_pos=ctx.seq_len - 1, taps=len(taps),
+                         combine=cap_combine(ctx.graphs.prefill_chunk, "combine_prefill", dynamic=True))
     ctx.graphs.prefills[0] = Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), slice(0, nt + 3))
-    ctx.graphs.parts.update(draft=draft, refill=refill, verify=verify)
+    combine = cap_combine(k + 1, "combine")
+    ctx.graphs.parts.update(draft=draft, refill=refill, verify=verify, **({"combine": combine} if combine else {}))
     ctx.graphs.kv_slices.update(draft=slice(nt, nt + 2), refill=slice(nt, nt + 2), verify=slice(0, nt))
     ctx.graphs.draft_calls.update(draft=k, refill=1)
     return lambda sample: MTPStep(draft, refill, verify, k=k, num_kv_target=nt, max_pos=ctx.seq_len - 1,
-                                  sample=sample), k
+                                  sample=sample, taps=len(taps), combine=combine), k
 
 
 @register(DraftModel)
