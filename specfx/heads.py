@@ -424,22 +424,46 @@ def load_layout(path: str | Path, target: nn.Module, layout: str | None = None) 
     return head.to(param.device, param.dtype).eval()
 
 
+def empty_head(parts, layout: str, head_config: dict | None = None, state: dict | None = None) -> nn.Module:
+    """An uninitialised head of `layout` for the target `parts` (`head_config`: an EAGLE
+    head's config.json; None: a Llama layer of the target's sizes), with room for the weights
+    in `state` (a DeepSeek head with its own `shared_head.head`)."""
+    if layout == "deepseek-mtp":
+        head = DeepSeekMTPHead(parts)
+        own = (state or {}).get("shared_head.head.weight")
+        if own is not None:
+            head.shared_head.head = nn.Linear(own.shape[1], own.shape[0], bias=False)
+        return head
+    if layout in ("eagle", "eagle3"):
+        cfg = _llama_config(head_config if head_config is not None else _eagle_dict(parts.config, layout))
+        if layout == "eagle":
+            return EagleHead(cfg, fc_bias=bool((head_config or {}).get("specfx_fc_bias", False)))
+        return Eagle3Head(cfg, target_vocab=parts.config.vocab_size)
+    raise ValueError(f"layout must be eagle, eagle3 or deepseek-mtp, got {layout!r}")
+
+
 def new_layout_head(target: nn.Module, layout: str, **config) -> nn.Module:
     """A fresh head of `layout` shaped for `target` (random init; EAGLE heads copy the target's
-    Llama sizes, `config` overrides them: e.g. `draft_vocab_size`)."""
+    Llama sizes, `config` overrides them: e.g. `draft_vocab_size`; a DeepSeek block starts as a
+    copy of the target's last layer)."""
     from specfx.mtp import target_parts
 
     parts = target_parts(target)
+    head = empty_head(parts, layout, _eagle_dict(parts.config, layout, **config) if layout != "deepseek-mtp" else None)
     if layout == "deepseek-mtp":
-        head = DeepSeekMTPHead(parts)
         head.block.load_state_dict(parts.layers[-1].state_dict())
-    elif layout in ("eagle", "eagle3"):
-        cfg = _llama_config(_eagle_dict(parts.config, layout, **config))
-        head = EagleHead(cfg) if layout == "eagle" else Eagle3Head(cfg, target_vocab=parts.config.vocab_size)
-    else:
-        raise ValueError(f"new_layout_head: layout must be eagle, eagle3 or deepseek-mtp, got {layout!r}")
     param = next(target.parameters())
     return head.to(param.device, param.dtype)
+
+
+def head_config(head: nn.Module) -> dict | None:
+    """What `empty_head` needs to rebuild `head` besides its layout (an EAGLE head's config)."""
+    if isinstance(head, (EagleHead, Eagle3Head)):
+        d = {k: v for k, v in head.config.to_dict().items() if not k.startswith("_")}
+        if isinstance(head, EagleHead) and head.fc.bias is not None:
+            d["specfx_fc_bias"] = True
+        return d
+    return None
 
 
 def _eagle_dict(t, layout: str, **over) -> dict:

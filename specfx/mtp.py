@@ -203,7 +203,7 @@ def _target_record(target: nn.Module) -> dict:
             "weights": target_signature(target)}
 
 
-def save_head(head: DraftHead, out: str | Path, target: nn.Module, info: dict | None = None) -> Path:
+def save_head(head: nn.Module, out: str | Path, target: nn.Module, info: dict | None = None) -> Path:
     """Write `model.safetensors` and `config.json` (with the target's record) to `out`."""
     from safetensors.torch import save_file
 
@@ -211,7 +211,11 @@ def save_head(head: DraftHead, out: str | Path, target: nn.Module, info: dict | 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": "DraftHead",
+    from specfx.heads import head_config
+
+    layout = getattr(head, "layout", "specfx")
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": type(head).__name__,
+              "layout": layout, **({"head_config": head_config(head)} if head_config(head) else {}),
               "target": _target_record(target), **({"train": info} if info else {})}
     (out / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return out
@@ -237,8 +241,12 @@ def read_head_config(path: str | Path) -> dict:
     return config
 
 
-def load_head(path: str | Path, target: nn.Module) -> DraftHead:
-    """Load the head at `path` for `target`; refuses a head trained for another target."""
+def load_head(path: str | Path, target: nn.Module) -> nn.Module:
+    """Load the head at `path` for `target`; refuses a head trained for another target.
+
+    A specfx head checkpoint may hold a head of any layout in `specfx.heads` (`layout` in its
+    config; `specfx train mtp --arch eagle3` writes one): the target record guards them all.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -257,7 +265,15 @@ def load_head(path: str | Path, target: nn.Module) -> DraftHead:
         state = load_file(str(Path(path) / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"MTP head {str(path)!r}: {WEIGHTS} is corrupt ({e})") from None
-    head = _empty_head(target_parts(target))
+    layout = config.get("layout", "specfx")
+    if layout == "specfx":
+        head = _empty_head(target_parts(target))
+    else:
+        from specfx.heads import LAYOUTS, empty_head
+
+        if layout not in LAYOUTS:
+            raise ValueError(f"MTP head {str(path)!r} has layout {layout!r}; this specfx reads {', '.join(LAYOUTS)}")
+        head = empty_head(target_parts(target), layout, config.get("head_config"), state)
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
