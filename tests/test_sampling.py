@@ -126,6 +126,12 @@ def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
         from specfx.mtp import new_head, save_head
 
         draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+    if draft in ("eagle", "eagle3", "deepseek-mtp"):       # a head in a published layout
+        from specfx.heads import new_layout_head, write_layout
+
+        extra = dict(draft_vocab_size=12, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 2]})
+        head = new_layout_head(model, draft, **(extra if draft == "eagle3" else {}))
+        draft = specfx.MTPHead(write_layout(head, tmp_path / draft, model, draft))
     B, runs, T = 512, 8, 0.9
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=32, batch_size=B,
                           backend="eager")
@@ -144,7 +150,8 @@ def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("draft,k", [("none", 1), ("early-exit:1", 3), ("early-exit:2", 2), ("ngram:1", 3),
-                                     ("draft-model", 2), ("mtp", 2)])
+                                     ("draft-model", 2), ("mtp", 2), ("eagle", 2), ("eagle3", 2),
+                                     ("deepseek-mtp", 2)])
 def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
     tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, k, tmp_path)
     # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
