@@ -493,7 +493,8 @@ def write_layout(head: nn.Module, out: str | Path, target: nn.Module, layout: st
         raise ValueError(f"write_layout: layout must be eagle, eagle3 or deepseek-mtp, got {layout!r}")
     have = getattr(head, "layout", "specfx")
     if have != layout:
-        raise HeadLayoutError(cannot_hold(have, layout))
+        name = Path(getattr(target.config, "_name_or_path", "") or "").name or "TARGET"
+        raise HeadLayoutError(cannot_hold(have, layout, name))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = target_parts(target)
@@ -528,12 +529,12 @@ def write_layout(head: nn.Module, out: str | Path, target: nn.Module, layout: st
     return out
 
 
-def cannot_hold(have: str, layout: str) -> str:
+def cannot_hold(have: str, layout: str, target: str = "TARGET") -> str:
     """Why a head of layout `have` cannot be written as `layout`, and what to do instead."""
-    reads = {"specfx": "the target's last hidden state before its final norm, through eh_proj over [enorm(emb); hnorm(h)]",
-             "eagle": "the normed last hidden state through fc over [emb; h], with no norm before the lm_head",
+    reads = {"specfx": "the target's last hidden state before its final norm, through eh_proj over enorm(emb), hnorm(h)",
+             "eagle": "the normed last hidden state through fc over (emb, h), with no norm before the lm_head",
              "eagle3": "three target layers through fc, with its own reduced-vocabulary lm_head",
-             "deepseek-mtp": "the target's normed last hidden state through eh_proj over [enorm(emb); hnorm(h)]"}
+             "deepseek-mtp": "the target's normed last hidden state through eh_proj over enorm(emb), hnorm(h)"}
     return (f"a {have} head cannot be written in the {layout} layout exactly: it reads {reads[have]}, "
-            f"while a {layout} head reads {reads[layout]}. Train a head of that shape instead: "
-            f"specfx train mtp --target TARGET --arch {layout} --out DIR")
+            f"while the {layout} layout reads {reads[layout]}. Train a head of that shape instead: "
+            f"specfx train mtp --target {target} --arch {layout} --out DIR")

@@ -329,3 +329,30 @@ def test_eagle3_step_exports_and_loads(tmp_path):
     ids = torch.randint(3, V, (1, 7))
     assert torch.equal(loaded.generate(ids, max_new_tokens=16, eos_token_id=[]),
                        fast.generate(ids, max_new_tokens=16, eos_token_id=[]))
+
+
+def test_export_head_cli_round_trip(tmp_path, capsys):
+    """`specfx export-head` writes a trained-format head in its serving layout; loaded back, it
+    drafts the same tokens; a head of another layout is refused with the command to train one."""
+    from helpers import tiny_checkpoint
+    from specfx.cli.main import main
+    from specfx.mtp import new_head, save_head
+
+    ckpt = tmp_path / "target"
+    model = tiny_checkpoint(ckpt, layers=4).eval()
+    head = new_layout_head(model, "eagle3", draft_vocab_size=64)
+    save_head(head, tmp_path / "head", model)
+    assert main(["export-head", str(tmp_path / "head"), "--format", "eagle3", "--target", str(ckpt),
+                 "-o", str(tmp_path / "served")]) == 0
+    config = json.loads((tmp_path / "served" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    runs = [specfx.compile(model, draft=specfx.MTPHead(p), num_speculative_tokens=2, max_seq_len=64,
+                           backend="eager") for p in (tmp_path / "head", tmp_path / "served")]
+    outs = [fast.generate(ids, max_new_tokens=12, eos_token_id=[]) for fast in runs]
+    assert torch.equal(outs[0], outs[1])
+    assert runs[0].last_stats.acceptance_by_position == runs[1].last_stats.acceptance_by_position
+    save_head(new_head(model), tmp_path / "native", model)
+    assert main(["export-head", str(tmp_path / "native"), "--format", "deepseek-mtp", "--target", str(ckpt),
+                 "-o", str(tmp_path / "no")]) == 2
+    assert "--arch deepseek-mtp" in capsys.readouterr().err.replace("\n", " ")

@@ -15,6 +15,7 @@ COMMANDS = {
     "zoo": "zoo",
     "train": "train",
     "export": "export_cmd",
+    "export-head": "export_head",
     "run": "run_cmd",
     "roofline": "roofline_cmd",
 }
