@@ -344,6 +344,8 @@ def _eagle_config(config: dict, parts, path):
     t = parts.config
     _check_fit(path, "hidden size", cfg.hidden_size, t.hidden_size)
     _check_fit(path, "vocabulary size", cfg.vocab_size, t.vocab_size)
+    if getattr(cfg, "target_hidden_size", None) is not None:
+        _check_fit(path, "target_hidden_size", cfg.target_hidden_size, t.hidden_size)
     return cfg
 
 
