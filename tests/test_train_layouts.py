@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import specfx
-from helpers import assert_greedy_equal, hf_greedy, tiny_model
+from helpers import assert_greedy_equal, hf_greedy, tiny_checkpoint, tiny_model
+from specfx.cli.main import main
 from specfx.mtp import save_head, target_parts
 from specfx.mtp_train import MTPTrainConfig, draft_vocabulary, evaluate_head, fresh_head, train_head
 
@@ -86,3 +87,15 @@ def test_train_config_refuses_an_unknown_layout_or_a_misplaced_draft_vocab():
     with pytest.raises(ValueError, match="draft_vocab is the size of an eagle3 head's"):
         MTPTrainConfig(arch="eagle", draft_vocab=32)
 
+
+def test_train_mtp_cli_writes_an_eagle3_head(tmp_path):
+    model = tiny_checkpoint(tmp_path / "target", "llama", layers=4, seed=2)
+    head_dir = tmp_path / "head"
+    rc = main(["train", "mtp", "--target", str(tmp_path / "target"), "--out", str(head_dir), "--arch", "eagle3",
+               "--draft-vocab", "512", "--steps", "3", "--windows", "8", "--seq-len", "32", "--batch-size", "2",
+               "--eval-prompts", "1", "--threads", "1"])
+    assert rc == 0
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["layout"] == "eagle3" and config["train"]["config"]["draft_vocab"] == 512
+    head = specfx.MTPHead(str(head_dir)).load(model)
+    assert head.layout == "eagle3" and head.d2t.numel() == 512
