@@ -21,7 +21,8 @@ the target it was trained for (architecture, sizes and a signature of its weight
 - `new_head(target)`, `load_head(path, target)`, `save_head(head, path, target, info)`;
 - `StaticHead(target, head, batch_size, seq_len)`: the head over its own static KV buffer,
   `forward(input_ids, hidden, positions) -> (logits, g)`, ready for `torch.export`;
-- `final_hidden(target, input_ids)`: h for every position (training and tests);
+- `final_hidden(target, input_ids)`: h for every position (tests); `layer_outputs(target,
+  input_ids, layers)`: the outputs of the layers a head taps (training);
 - `target_signature(target)`: names, shapes and sampled values of its weights, recorded in
   the head's config and compared (with a half-precision tolerance) at load.
 """
@@ -341,3 +342,20 @@ def final_hidden(target: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     finally:
         handle.remove()
     return seen[-1]
+
+
+def layer_outputs(target: nn.Module, input_ids: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """The residual-stream outputs [B, T, H] of the target's decoder `layers` (indices, in that
+    order): what the verify graph returns for a head that taps them (`AttachMTPHead`)."""
+    stack, seen = target_parts(target).layers, {}
+
+    def keep(i):
+        return lambda _m, _args, out: seen.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
+    handles = [stack[i].register_forward_hook(keep(i)) for i in set(layers)]
+    try:
+        target(input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in layers]

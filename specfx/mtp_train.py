@@ -1,14 +1,21 @@
-"""Training an MTP head for a target: precompute the target's hidden states, then fit the head.
+"""Training a draft head for a target: precompute the target's features, then fit the head.
 
-The target is frozen; only the head's parameters train. For each window of tokens the target's
-final hidden states h (the residual stream after its last layer) are computed once and kept
-in bfloat16 (`precompute`). The head at position i reads (t_{i+1}, h_i) and is trained
-(`head_loss`) with
+The head is of any layout in `specfx.heads` (`MTPTrainConfig.arch`: specfx's own `DraftHead`,
+`eagle`, `eagle3`, `deepseek-mtp`) and trains through the interface they share. The target is
+frozen; only the head's parameters train. For each window of tokens the outputs of the target
+layers the head taps, and of its last layer, are computed once and kept in bfloat16
+(`precompute`). The head's h_i is its combiner over the tapped outputs at position i: the last
+layer's output itself (specfx), the target's final norm of it (eagle, deepseek-mtp), or
+EAGLE-3's `fc` over three layers, which trains and so is applied in the loss. The head at
+position i reads (t_{i+1}, h_i) and is trained (`head_loss`) with
 
 - cross-entropy against the target's own next-token distribution at i+1, softmax(lm_head(norm(h_{i+1})))
-  (the target's predictions, not the data: acceptance is agreement with the target);
+  with h the last layer's output (the target's predictions, not the data: acceptance is agreement
+  with the target); a head with a reduced draft vocabulary (EAGLE-3, `draft_vocabulary`) is
+  scored over that vocabulary, the target's distribution renormalised to it as EAGLE-3 does;
 - plus `regression_weight` times a smooth-L1 between the RMS-normalised head output g_i and
-  h_{i+1} (EAGLE's feature regression), since a second draft feeds g_i where h_{i+1} would be.
+  the RMS-normalised h_{i+1} the head reads (EAGLE's feature regression), since a second draft
+  feeds g_i where h_{i+1} would be.
 
 `train_head(target, windows, cfg)` returns the head and the loss curve; `evaluate_head` gives
 held-out agreement with the target's greedy choice at the first draft position.
@@ -25,9 +32,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specfx.capture import position_mask
-from specfx.mtp import DraftHead, final_hidden, new_head, target_parts
+from specfx.heads import LAYOUTS, new_layout_head
+from specfx.mtp import layer_outputs, new_head, target_parts
 
 
 @dataclass
@@ -45,10 +54,17 @@ class MTPTrainConfig:
     regression_weight: float = 0.5
     seed: int = 0
     bf16: bool = True                # CPU autocast for the head's forward/backward
+    arch: str = "specfx"             # the head's layout, one of specfx.heads.LAYOUTS
+    draft_vocab: int | None = None   # eagle3 only: draft vocabulary size (None: the target's)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 3 or self.windows < 1:
             raise ValueError("steps, batch_size, windows must be >= 1 and seq_len >= 3")
+        if self.arch not in LAYOUTS:
+            raise ValueError(f"arch must be one of {', '.join(LAYOUTS)}, got {self.arch!r}")
+        if self.draft_vocab is not None and (self.arch != "eagle3" or self.draft_vocab < 1):
+            raise ValueError(f"draft_vocab is the size of an eagle3 head's reduced vocabulary (>= 1); "
+                             f"got {self.draft_vocab} for arch {self.arch!r}")
 
 
 def sample_windows(stream: torch.Tensor, count: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -60,35 +76,99 @@ def sample_windows(stream: torch.Tensor, count: int, seq_len: int, seed: int) ->
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
+@dataclass
+class Features:
+    """What a head trains on at each position of token windows: the outputs of the target layers
+    it taps, concatenated (`taps` [N, T, n H]; its combiner maps them to its h), and the last
+    layer's output (`last` [N, T, H]; the target's logits are lm_head(norm(last)))."""
+
+    taps: torch.Tensor
+    last: torch.Tensor
+
+    def __getitem__(self, idx) -> Features:
+        return Features(self.taps[idx], self.last[idx])
+
+
+def features(target, input_ids: torch.Tensor, taps: tuple[int, ...]) -> Features:
+    """The Features of token windows input_ids [B, T] for a head tapping target layers `taps`."""
+    outs = layer_outputs(target, input_ids, (*taps, len(target_parts(target).layers) - 1))
+    return Features(torch.cat(outs[:-1], -1), outs[-1])
+
+
 @torch.no_grad()
-def precompute(target, windows: torch.Tensor, *, batch_size: int = 8, progress=None) -> torch.Tensor:
-    """The target's final hidden states [N, T, H] for token windows [N, T], in bfloat16."""
+def precompute(target, windows: torch.Tensor, taps: tuple[int, ...], *, batch_size: int = 8,
+               progress=None) -> Features:
+    """The Features [N, T, ...] of token windows [N, T] for a head tapping `taps`, in bfloat16
+    (`last` is a view of `taps` where the last tap is the last layer)."""
     target.eval()
     device = next(target.parameters()).device
-    out = []
+    shared = taps[-1] == len(target_parts(target).layers) - 1
+    tapped, last = [], []
     for i in range(0, windows.shape[0], batch_size):
-        out.append(final_hidden(target, windows[i : i + batch_size].to(device)).to(torch.bfloat16))
+        f = features(target, windows[i : i + batch_size].to(device), taps)
+        tapped.append(f.taps.to(torch.bfloat16))
+        if not shared:
+            last.append(f.last.to(torch.bfloat16))
         if progress is not None:
             progress(min(i + batch_size, windows.shape[0]))
-    return torch.cat(out)
+    tapped = torch.cat(tapped)
+    return Features(tapped, tapped[..., -(tapped.shape[-1] // len(taps)):] if shared else torch.cat(last))
 
 
-def head_loss(head: DraftHead, parts, ids: torch.Tensor, hidden: torch.Tensor, regression_weight: float):
-    """(loss, ce, agreement) of the head on windows ids [B, T] with the target's h [B, T, H]."""
+def draft_vocabulary(windows: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's reduced draft vocabulary: the `size` most frequent tokens of `windows` (ties go
+    to the lower id), as target ids in increasing order. A head over it has
+    `d2t = ids - arange(size)`: target id = draft id + d2t[draft id]."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {size} tokens: expected 1..{vocab_size} (the target's vocabulary)")
+    counts = torch.bincount(windows.flatten().cpu(), minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:size].sort().values
+
+
+def fresh_head(target, cfg: MTPTrainConfig, windows: torch.Tensor) -> nn.Module:
+    """A new head of layout `cfg.arch` for `target`, before training: specfx's and DeepSeek's
+    layer start as a copy of the target's last layer, EAGLE's are random; EAGLE-3's draft
+    vocabulary is the `cfg.draft_vocab` most frequent tokens of `windows`."""
+    if cfg.arch == "specfx":
+        return new_head(target)
+    if cfg.arch != "eagle3":
+        return new_layout_head(target, cfg.arch)
+    vocab_size = target_parts(target).config.vocab_size
+    ids = draft_vocabulary(windows, cfg.draft_vocab or vocab_size, vocab_size)
+    head = new_layout_head(target, "eagle3", draft_vocab_size=ids.numel())
+    head.d2t.copy_(ids - torch.arange(ids.numel()))
+    return head
+
+
+def draft_ids(head: nn.Module) -> torch.Tensor | None:
+    """The target ids a head's logits cover, where that is not the whole vocabulary: EAGLE-3's
+    draft vocabulary `arange + d2t` (its logits are -inf elsewhere); None for the others."""
+    d2t = getattr(head, "d2t", None)
+    return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def head_loss(head: nn.Module, parts, ids: torch.Tensor, feats: Features, regression_weight: float):
+    """(loss, ce, agreement) of the head on windows ids [B, T] with the target's Features [B, T, ...]."""
     T = ids.shape[1]
     embeds = parts.embed(ids[:, 1:])                                  # t_{i+1}, i = 0..T-2
-    h = hidden[:, : T - 1].to(embeds.dtype)
+    combine = head.combiner(parts)
+    hidden = feats.taps.to(embeds.dtype)
+    if combine is not None:                                           # EAGLE-3's fc trains here
+        hidden = combine(hidden)
     pos = torch.arange(T - 1, device=ids.device)[None].expand(ids.shape[0], -1)
     # An explicit causal mask: not every attention backend infers one when given none.
-    g = head(embeds, h, position_ids=pos, position_embeddings=parts.position_embeddings(embeds, pos),
+    g = head(embeds, hidden[:, : T - 1], position_ids=pos,
+             position_embeddings=head.position_embeddings(parts, embeds, pos),
              attention_mask=position_mask(pos, T - 1, embeds.dtype))
-    logits = parts.lm_head(head.norm(g)).float()
+    logits = head.logits(parts, g).float()
     with torch.no_grad():
-        h_next = hidden[:, 1:].to(embeds.dtype)
-        target_logits = parts.lm_head(parts.norm(h_next)).float()
-    ce = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
-    reg = F.smooth_l1_loss(_rms_normalise(g.float()), _rms_normalise(h_next.float()))
+        target_logits = parts.lm_head(parts.norm(feats.last[:, 1:].to(embeds.dtype))).float()
     agree = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    vocab = draft_ids(head)
+    if vocab is not None:                  # both over the draft vocabulary: no -inf logit meets a 0
+        logits, target_logits = logits[..., vocab], target_logits[..., vocab]
+    ce = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    reg = F.smooth_l1_loss(_rms_normalise(g.float()), _rms_normalise(hidden[:, 1:].detach().float()))
     return ce + regression_weight * reg, ce, agree
 
 
@@ -105,8 +185,9 @@ def lr_at(step: int, cfg: MTPTrainConfig) -> float:
 
 
 def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: Path | None = None,
-               progress: bool = True) -> tuple[DraftHead, list[dict]]:
-    """Train a new head for the frozen `target` on token windows [N, T]; returns (head, curve)."""
+               progress: bool = True) -> tuple[nn.Module, list[dict]]:
+    """Train a new head of layout `cfg.arch` for the frozen `target` on token windows [N, T];
+    returns (head, curve)."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     parts = target_parts(target)
@@ -115,9 +196,9 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
         p.requires_grad_(False)
     bar = _Progress(windows.shape[0] + cfg.steps) if progress else None
     device = next(target.parameters()).device
-    hidden = precompute(target, windows, progress=bar.precomputed if bar else None)
+    head = fresh_head(target, cfg, windows).float().train()
+    feats = precompute(target, windows, head.taps(len(parts.layers)), progress=bar.precomputed if bar else None)
     windows = windows.to(device)
-    head = new_head(target).float().train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     curve: list[dict] = []
     t0 = time.perf_counter()
@@ -127,7 +208,7 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
                 g["lr"] = lr_at(step, cfg)
             idx = torch.randint(0, windows.shape[0], (cfg.batch_size,), generator=gen)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, ce, agree = head_loss(head, parts, windows[idx], hidden[idx], cfg.regression_weight)
+                loss, ce, agree = head_loss(head, parts, windows[idx], feats[idx], cfg.regression_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -149,15 +230,16 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
 
 
 @torch.no_grad()
-def evaluate_head(head: DraftHead, target, windows: torch.Tensor, *, batch_size: int = 8) -> dict:
+def evaluate_head(head: nn.Module, target, windows: torch.Tensor, *, batch_size: int = 8) -> dict:
     """Held-out: the head's cross-entropy against the target and its greedy agreement (draft 1)."""
     parts = target_parts(target)
     param = next(target.parameters())
     head = copy.deepcopy(head).to(param.dtype)                      # the caller's head stays as it is
+    taps = head.taps(len(parts.layers))
     ce_sum, agree_sum, n = 0.0, 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
         ids = windows[i : i + batch_size].to(param.device)
-        _, ce, agree = head_loss(head, parts, ids, final_hidden(target, ids), 0.0)
+        _, ce, agree = head_loss(head, parts, ids, features(target, ids, taps), 0.0)
         m = ids.shape[0] * (ids.shape[1] - 1)
         ce_sum, agree_sum, n = ce_sum + ce.item() * m, agree_sum + agree.item() * m, n + m
     return {"tokens": n, "ce_vs_target": round(ce_sum / n, 4), "top1_agreement": round(agree_sum / n, 4)}

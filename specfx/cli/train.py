@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from specfx.heads import LAYOUTS
+
 EPILOG = """examples:
   specfx train layerskip --out specfx/zoo/pycoder --steps 1200 --threads 2
   specfx train draft --out specfx/zoo/pycoder-draft --tokenizer specfx/zoo/pycoder --steps 1500 --threads 1
   specfx train mtp --target pycoder --out specfx/zoo/pycoder-mtp --threads 2
+  specfx train mtp --target pycoder --arch eagle3 --draft-vocab 2048 --out pycoder-eagle3 --threads 2
   specfx train prompts --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pycode.jsonl
   specfx train prompts --task editing --tokenizer specfx/zoo/pycoder --out specfx/zoo/prompts/pyedit.jsonl
 """
@@ -28,6 +31,17 @@ def add_parser(sub):
     p.add_argument("--windows", type=int, default=2048, help="mtp only: windows of target hidden states to precompute")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="mtp only: evaluation prompts over which the head's acceptance is measured")
+    p.add_argument("--arch", choices=LAYOUTS, default="specfx",
+                   help="mtp only: the head's layout. specfx: specfx's own head (eh_proj over the normed "
+                        "embedding and last hidden state, one target layer, its own norm, the target's "
+                        "lm_head); eagle: EAGLE-1 (fc over embedding and normed last hidden state, one "
+                        "Llama layer, the target's lm_head); eagle3: EAGLE-3 (fc over three target layers, "
+                        "a midlayer, its own lm_head over --draft-vocab tokens); deepseek-mtp: DeepSeek-V3's "
+                        "MTP module (enorm/hnorm/eh_proj over the normed last hidden state, one target layer, "
+                        "the target's lm_head)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="mtp --arch eagle3 only: draft vocabulary size, the target's most frequent tokens "
+                        "in the training windows (default: the target's whole vocabulary)")
     p.add_argument("--regression-weight", type=float, default=0.5, help="mtp only: weight of the feature regression")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--task", choices=["completion", "editing"], default="completion",
@@ -67,7 +81,7 @@ def run(args) -> int:
         info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps,
                          batch_size=args.batch_size or 8, seq_len=args.seq_len, lr=args.lr or 1e-3,
                          windows=args.windows, regression_weight=args.regression_weight, seed=args.seed,
-                         num_prompts=args.eval_prompts)
+                         num_prompts=args.eval_prompts, arch=args.arch, draft_vocab=args.draft_vocab)
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(

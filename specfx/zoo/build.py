@@ -248,11 +248,25 @@ def mtp_card(name: str, info: dict) -> str:
     """A model card for an MTP head: what it drafts for, how it was trained, what it accepts."""
     cfg, ho, acc = info["config"], info["heldout"], info["acceptance"]
     by_pos = " | ".join(f"{a:.3f}" for a in acc["acceptance_by_position"])
+    arch, target = cfg.get("arch", "specfx"), info["target"]
+    vocab = (f"the {cfg['draft_vocab']} tokens most frequent in its training windows" if cfg.get("draft_vocab")
+             else "the target's whole vocabulary")
+    shape = {
+        "specfx": f"""`W·[RMSNorm(emb(t_(i+1))); RMSNorm(h_i)]` -> one `{target}` decoder layer -> RMSNorm -> the
+target's own lm_head (the embedding and lm_head are the target's and are not stored here).""",
+        "eagle": """EAGLE-1: `fc[emb(t_(i+1)); norm(h_i)]` -> one Llama decoder layer (no input norm) -> the target's
+own lm_head (the embedding, final norm and lm_head are the target's and are not stored here).""",
+        "eagle3": f"""EAGLE-3: h_i = `fc` over the outputs of three target layers -> a midlayer attending over
+`[RMSNorm(emb(t_(i+1))); RMSNorm(h_i)]` -> RMSNorm -> its own lm_head over a draft vocabulary
+({vocab}, mapped to the target's ids by `d2t`).""",
+        "deepseek-mtp": f"""DeepSeek-V3 MTP: `eh_proj[RMSNorm(emb(t_(i+1))); RMSNorm(norm(h_i))]` -> one `{target}`
+decoder layer -> RMSNorm -> the target's own lm_head (the embedding and lm_head are the target's).""",
+    }[arch]
+    arch_flag = "" if arch == "specfx" else f" --arch {arch}"
     return f"""# {name}
 
-An MTP/EAGLE-style draft head for `{info['target']}`, trained by `specfx train mtp --target {info['target']}`:
-`W·[RMSNorm(emb(t_(i+1))); RMSNorm(h_i)]` -> one `{info['target']}` decoder layer -> RMSNorm -> the
-target's own lm_head (the embedding and lm_head are the target's and are not stored here).
+An MTP/EAGLE-style draft head for `{target}`, trained by `specfx train mtp --target {target}{arch_flag}`:
+{shape}
 `config.json` records the target it fits (sizes and a signature of its weights).
 
 - parameters: {info['parameters']:,} (float32 safetensors)
