@@ -61,7 +61,9 @@ def _llama_config(cfg: dict | object):
     if isinstance(cfg, LlamaConfig):
         return cfg
     known = {k: v for k, v in dict(cfg).items() if k not in ("architectures", "model_type", "auto_map")}
-    return LlamaConfig(**known)
+    config = LlamaConfig(**known)
+    config._attn_implementation = "sdpa"            # outside capture (training); capture binds specfx's
+    return config
 
 
 class _LlamaHeadBase(nn.Module):
@@ -415,9 +417,11 @@ def load_layout(path: str | Path, target: nn.Module, layout: str | None = None) 
         raise ValueError(f"unknown head layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     config, state = _read_folder(path)
     found = detect_layout(config, state)
+    if found == "specfx" and layout not in (None, "specfx"):
+        found = config.get("layout", "specfx")           # specfx's checkpoint of a head of that layout
     if layout is not None and found != layout:
         raise HeadLayoutError(f"head {str(path)!r} is in the {found} layout, not {layout}")
-    if found == "specfx":
+    if config.get("format") == "specfx-mtp-head":
         return load_head(path, target)
     parts = target_parts(target)
     head = {"eagle": _load_eagle, "eagle3": _load_eagle3, "deepseek-mtp": _load_deepseek}[found](

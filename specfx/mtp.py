@@ -210,7 +210,8 @@ def save_head(head: nn.Module, out: str | Path, target: nn.Module, info: dict | 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in head.state_dict().items()}
+    state = {k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().cpu()
+             for k, v in head.state_dict().items()}                  # integer buffers (d2t) stay integer
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
     from specfx.heads import head_config
 

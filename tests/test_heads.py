@@ -342,6 +342,7 @@ def test_export_head_cli_round_trip(tmp_path, capsys):
     model = tiny_checkpoint(ckpt, layers=4).eval()
     head = new_layout_head(model, "eagle3", draft_vocab_size=64)
     save_head(head, tmp_path / "head", model)
+    assert specfx.MTPHead(tmp_path / "head", layout="eagle3").load(model).d2t.dtype == torch.long
     assert main(["export-head", str(tmp_path / "head"), "--format", "eagle3", "--target", str(ckpt),
                  "-o", str(tmp_path / "served")]) == 0
     config = json.loads((tmp_path / "served" / "config.json").read_text())
