@@ -2,8 +2,10 @@
 
 - `Runtime(graphs, backend=..., sync_every=N)` compiles the prefill graph(s) and the fused step.
 - `Runtime.generate(prompts, max_new_tokens, eos_ids, streamer)` returns the new tokens of each
-  row and a `GenerationStats`. The host reads device state once after the first step (TTFT)
-  and then at most every `sync_every` steps (done flags and lengths, and new tokens for the
+  row and a `GenerationStats`. The prefill writes every prompt token's KV and appends each
+  row's first new token (from the target's head over the last prompt token's hidden state:
+  no drafting before the first token). The host reads device state once after it (TTFT) and
+  then at most every `sync_every` steps (done flags and lengths, and new tokens for the
   streamer); near the end it reads sooner, so that no step runs once every row is done.
 - `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
 """
@@ -18,7 +20,9 @@ from torch import fx
 from specfx.runtime.compile import SPAN, WIDTH, compile_graph
 from specfx.runtime.cudagraph import GraphedStep
 from specfx.runtime.memory import PeakMemory
+from specfx.runtime.accept import commit
 from specfx.runtime.stats import GenerationStats, acceptance_stats
+from specfx.runtime.step import propose
 
 SPAN_ALIGN = 64      # attention spans are whole blocks of slots
 
@@ -57,6 +61,8 @@ class Runtime:
         # each sync point); elsewhere the whole cache (a CUDA graph needs fixed shapes).
         self.live_span = self.device.type == "cpu"
         self.prefill_fns = [(self._compile(p.gm, WIDTH), p.kv) for p in graphs.prefills]
+        self.first_fn = self._compile(graphs.first)
+        self._first_hist = torch.zeros(1, dtype=torch.long, device=self.device)   # the first token is no step
         self.step_fn = self._compile(graphs.step)
         self._sample_fn = None
         self._graphed: dict[bool, GraphedStep] = {}
@@ -76,20 +82,30 @@ class Runtime:
         return self.graphs.max_seq_len
 
     @torch.no_grad()
-    def prefill(self, longest_prompt: int) -> None:
-        """Write the KV of every prompt token but the last (the pending one), in chunks of at
-        most `prefill_chunk` tokens and at least 2 (a second slot past a one-token prefill is
-        the pending token's, which the first step writes again)."""
+    def prefill(self, longest_prompt: int, sample: bool = False) -> None:
+        """Write the KV of every prompt token, in chunks of at most `prefill_chunk` tokens (and
+        at least 2: a slot past the prompt is the first new token's, which the first step writes
+        again), then append each row's first new token: the argmax (or, with `sample`, a draw
+        from the warped distribution) of the target's logits at its last prompt token."""
         st, C = self.state, self.graphs.prefill_chunk
-        B, n = st.batch_size, longest_prompt - 1
-        for start in range(0, n, C):
-            width = max(2, min(C, n - start))
+        last = st.lengths - 1                                         # [B]: each row's last prompt token
+        hidden = None
+        for start in range(0, longest_prompt, C):
+            width = max(2, min(C, longest_prompt - start))
             pos = torch.arange(start, start + width, device=self.device).clamp(max=st.seq_len - 1)
-            pos = pos.expand(B, width).contiguous()                   # [B, W]
+            pos = pos.expand(st.batch_size, width).contiguous()      # [B, W]
             ids = st.tokens.gather(1, pos)
             self.cover(start + width)
-            for fn, kv in self.prefill_fns:                           # target, then a draft model
-                fn(ids, pos, st.span, *st.kv[kv])
+            outs = [fn(ids, pos, st.span, *st.kv[kv]) for fn, kv in self.prefill_fns]   # target, then a draft model
+            h = outs[0][0]                                            # [B, W, H]: the target's last layer
+            at = (last - start).clamp(0, width - 1)[:, None, None].expand(-1, 1, h.shape[-1])
+            here = ((last >= start) & (last < start + width))[:, None, None]
+            hidden = h.gather(1, at) if hidden is None else torch.where(here, h.gather(1, at), hidden)
+        logits = self.first_fn(hidden, last[:, None], st.span)[0][:, -1]                 # [B, V]
+        if sample:
+            st.draw()
+        first = propose(logits, sample, st.noise[:, 0], (st.temperature, st.top_k, st.top_p))[0]
+        commit(st.tokens, st.lengths, st.max_lens, st.done, st.eos, self._first_hist, first, last * 0)
 
     def cover(self, positions: int | None = None, steps: int = 0) -> None:
         """Make attention span every position below `positions` (default: the longest row's
@@ -165,9 +181,7 @@ class Runtime:
         _sync(self.device)
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
-            self.prefill(max(prompt_lens))
-            self.cover(max(prompt_lens), steps=1)
-            step()
+            self.prefill(max(prompt_lens), sample=sampling is not None)
             limits = [p + max_new_tokens for p in prompt_lens]
             left = self.steps_left(limits)                            # sync: first tokens are ready
             t_first = time.perf_counter()
@@ -175,10 +189,10 @@ class Runtime:
             first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
             if streamer is not None:
                 self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
-            steps = 1
-            # Each step emits >= 1 token per active row, so max_new_tokens steps always suffice.
-            while steps < max_new_tokens and left > 0:
-                n = min(self.sync_every, max_new_tokens - steps, left)
+            steps = 0
+            # Each step emits >= 1 token per active row: max_new_tokens - 1 steps always suffice.
+            while steps < max_new_tokens - 1 and left > 0:
+                n = min(self.sync_every, max_new_tokens - 1 - steps, left)
                 self.cover(max(self._lengths_host.tolist()), steps=n)
                 for _ in range(n):
                     step()

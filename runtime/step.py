@@ -31,7 +31,7 @@ from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
 
 
-def _propose(logits, sample: bool, noise, warping):
+def propose(logits, sample: bool, noise, warping):
     """Next token [B, 1] from logits [B, V]: argmax, or a draw from warp(logits) (also returned)."""
     if not sample:
         return logits.argmax(-1)[:, None], None
@@ -72,7 +72,7 @@ class DecodeStep(nn.Module):
         last = lengths - 1                                            # [B]
         x = tokens.gather(1, last[:, None])                           # [B, 1]
         logits = self.target(x, last[:, None], span, *[kv[i] for i in range(self.num_kv)])[0]
-        emitted = _propose(logits[:, -1], self.sample, noise[:, 0], (temperature, top_k, top_p))[0]
+        emitted = propose(logits[:, -1], self.sample, noise[:, 0], (temperature, top_k, top_p))[0]
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
 
 
@@ -101,7 +101,7 @@ class EarlyExitStep(nn.Module):
             out = self.draft(x, pos, span, *kv_draft)
             hidden.append(out[1])                                     # [B, 1, H]
             if j < self.k:
-                x, q = _propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
+                x, q = propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
                 drafts.append(x)
                 qs.append(q)
         pos = (last[:, None] + _offsets(last, self.k)).clamp(max=self.max_pos)  # [B, k+1]
@@ -162,7 +162,7 @@ class DraftModelStep(nn.Module):
             logits = self.draft(x.clamp(max=self.max_draft_id), pos, span, *kv_draft)[0][:, -1, : self.vocab]
             if j == self.k:
                 break
-            x, q = _propose(logits, self.sample, noise[:, j, : self.vocab], warping)
+            x, q = propose(logits, self.sample, noise[:, j, : self.vocab], warping)
             drafts.append(x)
             if self.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
@@ -229,7 +229,7 @@ class MTPStep(nn.Module):
         for j in range(self.k):
             pos = (first + j).clamp(min=0, max=self.max_pos)
             logits, h = self.head(x, h, pos, span, *head_kv)
-            x, q = _propose(logits[:, -1], self.sample, noise[:, j], warping)
+            x, q = propose(logits[:, -1], self.sample, noise[:, j], warping)
             drafts.append(x)
             qs.append(q)
         drafts = torch.cat(drafts, 1)                                 # [B, k]
@@ -246,7 +246,8 @@ class MTPStep(nn.Module):
 class MTPPrefill(nn.Module):
     """The target's prefill, then the head's over the same chunk (its KV from h, shifted by one).
 
-    `forward(input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)`; `kv` as in `MTPStep`.
+    `forward(input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)` (the target's last
+    layer, as every prefill returns); `kv` as in `MTPStep`.
     Head position p reads (t_{p+1}, h_p): for this chunk's tokens at positions p+1 that is
     p = positions - 1, with h_{p} from the history (the previous chunk wrote the first one).
     """
@@ -259,12 +260,12 @@ class MTPPrefill(nn.Module):
 
     def forward(self, input_ids, positions, span, *kv):
         out = self.target(input_ids, positions, span, *[kv[i] for i in range(self.nt)])
-        hidden = _head_input(self.combine, out, 0, self.taps)
+        hidden = _head_input(self.combine, out, 1, self.taps)
         history = kv[self.nt + 2]
         _scatter_hidden(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)
         self.head(input_ids, _gather_hidden(history, hpos), hpos, span, kv[self.nt], kv[self.nt + 1])
-        return (hidden,)
+        return (out[0],)                                              # the target's last hidden state
 
 
 class _LeafGraphs(fx.Tracer):

@@ -28,7 +28,7 @@ from specfx.runtime.generate import Runtime
 from specfx.runtime.state import STEP_INPUTS, StaticState
 from specfx.runtime.stats import GenerationStats
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LOADABLE = ("pt2", "aoti")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -46,6 +46,7 @@ class Programs:
     """The loaded counterpart of `pipeline.Graphs`: what `Runtime` runs."""
 
     prefills: list[LoadedPrefill]
+    first: Callable          # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
     step: Callable
     load_sample_step: Callable[[], Callable]   # loaded at the first sampling call, not before
     state: StaticState
@@ -123,7 +124,7 @@ def load_artifact(folder: Path, format: str, device=None, *, trust_native_code: 
                                     weights, device, exported_on)
     prefills = [LoadedPrefill(name, program(name), slice(*entry["kv"]))
                 for name, entry in programs.items() if entry["role"] == "prefill"]
-    bundle = Programs(prefills, program("step"), lambda: program("sample_step"), allocate_state(manifest, device),
+    bundle = Programs(prefills, program("first"), program("step"), lambda: program("sample_step"), allocate_state(manifest, device),
                       manifest["k"], manifest["prefill_chunk"], manifest["max_seq_len"], weights)
     return LoadedModel(folder, manifest, bundle, format)
 

@@ -6,13 +6,15 @@ The folder (DESIGN.md, "Artifacts"):
                           writes, generation defaults, the sha256 of every other file
     weights.safetensors   every weight once (tied and shared tensors are one entry)
     tokenizer.json, ...   the tokenizer: `AutoTokenizer.from_pretrained(folder)` works
-    pt2/<name>.pt2        torch.export programs: each prefill, the greedy step, the sampling step
+    pt2/<name>.pt2        torch.export programs: each prefill, the first token's head (`first`),
+                          the greedy step, the sampling step
     aoti/<name>.pt2       AOTInductor packages of the same programs (compiled for one device)
     onnx/step.onnx        the greedy step with the state as inputs and the written state as outputs
 
 Programs keep the runtime's calling convention and write the state in place: a prefill is
-`(input_ids [B, C], positions [B, C], span [L], *kv) -> (hidden,)`, a step `(*STEP_INPUTS, kv)
--> ()`. The attention span's length L (2..seq_len, see `specfx.attention`) stays dynamic in
+`(input_ids [B, C], positions [B, C], span [L], *kv) -> (hidden,)`, `first` `(hidden [B, 1, H],
+positions [B, 1], span) -> (logits [B, 1, V],)` (the target's head over the last prompt token),
+a step `(*STEP_INPUTS, kv) -> ()`. The attention span's length L (2..seq_len, see `specfx.attention`) stays dynamic in
 every program, as in the runtime's own graphs.
 torch.export keeps in-place writes to inputs (`ep.module()` performs them) and AOTInductor
 writes into the input buffers too, so both plug into `Runtime` as they are. ONNX has no in-place
@@ -125,7 +127,8 @@ def load(path, format: str = "pt2", device=None, *, trust_native_code: bool = Fa
 
 
 def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dict]]:
-    """name -> (its `torch.export` program, its manifest entry) for each prefill, the step and the sampling step."""
+    """name -> (its `torch.export` program, its manifest entry) for each prefill, the first token's
+    head, the step and the sampling step."""
     out = {}
     for name, (gm, args, info) in _programs(graphs).items():
         lean = _lean(gm)
@@ -135,7 +138,8 @@ def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dic
 
 
 def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
-    """name -> (graph, example args, manifest entry) for each prefill, the step and the sampling step."""
+    """name -> (graph, example args, manifest entry) for each prefill, the first token's head, the
+    step and the sampling step."""
     st, C = graphs.state, graphs.prefill_chunk
     B, dev, kv_names = st.batch_size, st.tokens.device, [f"kv_{i}" for i in range(len(st.kv))]
     ids = torch.zeros(B, C, dtype=torch.long, device=dev)
@@ -149,12 +153,19 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
             "inputs": ["input_ids", "positions", "span", *kv_names[p.kv]],
             "args": {n: {"shape": [B, C], "dtype": "int64"} for n in ("input_ids", "positions")},
             "outputs": ["hidden"]})
+    H = graphs.structure.hidden_size
+    hidden = torch.zeros(B, 1, H, dtype=st.kv[0].dtype, device=dev)
+    programs["first"] = (graphs.first, (hidden, pos[:, :1].contiguous(), st.span), {
+        "role": "first", "inputs": ["hidden", "positions", "span"],
+        "args": {"hidden": {"shape": [B, 1, H], "dtype": dtype_name(hidden.dtype)},
+                 "positions": {"shape": [B, 1], "dtype": "int64"}},
+        "outputs": ["logits"]})
     step_inputs = [*STEP_INPUTS, *kv_names]
     programs["step"] = (graphs.step, st.step_args(), {"role": "step", "sample": False, "inputs": step_inputs,
                                                       "outputs": []})
     programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
                                {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
-    if len(programs) != len(graphs.prefills) + 2:
+    if len(programs) != len(graphs.prefills) + 3:
         raise ValueError(f"program names must be unique, got prefills {[p.name for p in graphs.prefills]}")
     return programs
 
@@ -165,7 +176,7 @@ def _span_dynamic(module, args: tuple, state):
     shapes = torch.export.ShapesCollection()
     span = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.uint8 and a.dim() == 1)
     shapes[span] = (torch.export.Dim.DYNAMIC(min=2, max=state.seq_len),)      # as specfx.capture does
-    if args[2] is span:                                               # (input_ids, positions, span, *kv)
+    if args[2] is span and args[0].dtype == torch.long:               # a prefill: (input_ids, positions, span, *kv)
         for t in args[:2]:
             shapes[t] = (None, torch.export.Dim.DYNAMIC(min=2, max=args[0].shape[1]))
     return shapes.dynamic_shapes(module, args)

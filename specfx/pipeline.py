@@ -60,6 +60,7 @@ class Graphs:
     records: list = field(default_factory=list)
     make_step: Callable | None = None  # sample: bool -> step module (before tracing)
     sample_step: fx.GraphModule | None = None
+    first: fx.GraphModule | None = None  # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
 
     @property
     def prefill(self) -> fx.GraphModule:
@@ -172,6 +173,10 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         if isinstance(e.__cause__, StructureError):   # a part the drafter needs: the user's to act on
             raise StructureError(f"{architecture(model)}, drafter {drafter}: {e.__cause__}") from e
         raise
+    # The first new token comes from the prefill's last hidden state, through the head alone.
+    # (No KV buffers in it: only the skinny-matmul rewrite of the tail applies.)
+    graphs.first = pm.run_all([CutAtExit(target.structure, L), *tail_passes(matmul)[1:]], target.capture(1),
+                              graph="first")
     kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
                                         vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
@@ -254,12 +259,10 @@ def _build_mtp(ctx: BuildContext):
         gm = export_graph(Combine(combiner), (features,), width_args=(0,) if dynamic else ())
         return pm.run_all(ctx.tail(), gm, graph=name)
 
-    attach = lambda logits: AttachMTPHead(s, head_hidden_size=hidden_size, taps=taps, logits=logits)  # noqa: E731
+    attach = lambda: AttachMTPHead(s, head_hidden_size=hidden_size, taps=taps)  # noqa: E731
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
-    verify = pm.run_all([attach(True), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
-    target_prefill = ctx.graphs.prefill
-    if taps != (s.num_layers - 1,):          # the prefill graph returns the last layer's output
-        target_prefill = pm.run(attach(False), target_prefill, graph="prefill").graph_module
+    verify = pm.run_all([attach(), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
+    target_prefill = pm.run(attach(), ctx.graphs.prefill, graph="prefill").graph_module
     nt = 2 * s.num_layers
     history = torch.zeros(ctx.batch_size, ctx.seq_len, hidden_size, dtype=param.dtype, device=param.device)
     ctx.extra_kv.extend([*static.kv(), history])

@@ -32,6 +32,29 @@ def test_greedy_equals_model_generate(arch, draft, k):
         assert len(stats.acceptance_by_position) == (0 if draft == "none" else k)
 
 
+@pytest.mark.parametrize("draft", ["none", "early-exit:2", "ngram:2"])
+def test_the_first_token_comes_from_the_prefill(draft):
+    """No step runs before the first new token (time to first token is the prefill's, with no
+    drafting): one new token takes no step, n tokens at most n - 1; an EOS first token stops the
+    row at once."""
+    model = tiny_model("llama", layers=4, seed=8)
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=96, batch_size=2,
+                          backend="eager")
+    g = torch.Generator().manual_seed(2)
+    for prompt_len in (1, 2, 64, 65):                     # a chunk boundary at the last prompt token
+        ids = torch.randint(3, 96, (2, prompt_len), generator=g)
+        ours = fast.generate(ids, max_new_tokens=1, eos_token_id=[])
+        assert fast.last_stats.steps == 0 and fast.last_stats.target_calls == 0
+        assert torch.equal(ours, hf_greedy(model, ids, 1, eos_token_id=None))
+        ours = fast.generate(ids, max_new_tokens=5, eos_token_id=[])
+        assert 1 <= fast.last_stats.steps <= 4
+        for b in range(2):
+            assert_greedy_equal(model, ours[b : b + 1], hf_greedy(model, ids[b : b + 1], 5), prompt_len)
+    first = hf_greedy(model, ids[:1], 1)[0, -1].item()
+    out = fast.generate(ids[:1], max_new_tokens=8, eos_token_id=first)
+    assert out.shape[1] == ids.shape[1] + 1 and fast.last_stats.steps == 0
+
+
 def test_prompt_lookup_accepts_repeated_text():
     model = tiny_model("mistral", layers=4, seed=12)
     ids = torch.randint(3, 96, (1, 10)).repeat(1, 5)

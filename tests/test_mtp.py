@@ -82,7 +82,8 @@ def test_greedy_equals_model_generate(tmp_path, arch, k):
 
 def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
     """At k=1 a step at `length` tokens drafts the head's prediction from (t_{length-1},
-    h_{length-2}); replaying the greedy output offline must predict exactly which steps accept.
+    h_{length-2}); replaying the greedy output offline (steps start after the prefill's first
+    token) must predict exactly which steps accept.
     Rows of random prompts of many lengths (across a prefill chunk boundary) check the head's
     positions, its prefill and its refill."""
     model, head, _, curve = trained
@@ -104,7 +105,7 @@ def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trai
         assert_greedy_equal(model, seq, hf_greedy(model, p[None], N), len(p))
         # Offline: pred[q] is the head's guess for the token at q + 2, from the whole sequence.
         pred = _head_logits(head, model, seq).argmax(-1)[0]
-        length = len(p)
+        length = len(p) + 1                                # the first token comes from the prefill
         while length < len(p) + N:
             hit = pred[length - 2].item() == seq[0, length].item() if length < seq.shape[1] else False
             accepted, calls, length = accepted + hit, calls + 1, length + 1 + hit
@@ -275,6 +276,6 @@ def test_inspect_reports_the_mtp_pipeline(tmp_path):
     model = tiny_model("llama", layers=2, seed=3)
     report = inspect_model(model, specfx.MTPHead(_saved(tmp_path, model)), k=2, max_seq_len=32).to_dict()
     attach = [p for p in report["passes"] if p["name"] == "attach_mtp_head"]
-    assert len(attach) == 1 and attach[0]["modified"] and attach[0]["graph"] == "verify"
+    assert [p["graph"] for p in attach] == ["verify", "prefill"] and all(p["modified"] for p in attach)
     assert report["step"]["host_syncs"] == [] and report["step"]["graph_breaks"] == 0
     assert report["drafter"].startswith("mtp:")
