@@ -21,6 +21,7 @@ from specfx.runtime.compile import SPAN, WIDTH, compile_graph
 from specfx.runtime.cudagraph import GraphedStep
 from specfx.runtime.memory import PeakMemory
 from specfx.runtime.accept import commit
+from specfx.runtime.sampling import filters_for
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 from specfx.runtime.step import propose
 
@@ -64,8 +65,9 @@ class Runtime:
         self.first_fn = self._compile(graphs.first)
         self._first_hist = torch.zeros(1, dtype=torch.long, device=self.device)   # the first token is no step
         self.step_fn = self._compile(graphs.step)
-        self._sample_fn = None
-        self._graphed: dict[bool, GraphedStep] = {}
+        self._sample_fns: dict[str, object] = {}          # warp variant -> compiled sampling step
+        self.filters = "any"                               # the variant the next sampling steps run
+        self._graphed: dict[tuple, GraphedStep] = {}
         # The host reads done flags and lengths through pinned buffers with non-blocking copies.
         pinned = self.device.type == "cuda"
         self._done_host = torch.empty(self.state.batch_size, dtype=torch.bool, pin_memory=pinned)
@@ -104,7 +106,7 @@ class Runtime:
         logits = self.first_fn(hidden, last[:, None], st.span)[0][:, -1]                 # [B, V]
         if sample:
             st.draw()
-        first = propose(logits, sample, st.noise[:, 0], (st.temperature, st.top_k, st.top_p))[0]
+        first = propose(logits, sample and self.filters, st.noise[:, 0], (st.temperature, st.top_k, st.top_p))[0]
         commit(st.tokens, st.lengths, st.max_lens, st.done, st.eos, self._first_hist, first, last * 0)
 
     def cover(self, positions: int | None = None, steps: int = 0) -> None:
@@ -135,10 +137,11 @@ class Runtime:
 
     def _sample_step(self) -> None:
         """Draw this step's random numbers from the state's generator, then run the step."""
-        if self._sample_fn is None:
-            self._sample_fn = self._compile(self.graphs.fused_sample_step())
+        fn = self._sample_fns.get(self.filters)
+        if fn is None:
+            fn = self._sample_fns[self.filters] = self._compile(self.graphs.fused_sample_step(self.filters))
         self.state.draw()
-        self._sample_fn(*self.state.step_args())
+        fn(*self.state.step_args())
 
     def warmup(self) -> None:
         """Prefill (over more than one chunk where the length allows) and two steps on a dummy
@@ -151,9 +154,10 @@ class Runtime:
         fn = self._sample_step if sample else self._step
         if not self.cudagraphs:
             return fn
-        if sample not in self._graphed:
-            self._graphed[sample] = GraphedStep(fn, self.state, sample=sample).capture()
-        return self._graphed[sample]
+        key = (sample, self.filters if sample else None)
+        if key not in self._graphed:
+            self._graphed[key] = GraphedStep(fn, self.state, sample=sample).capture()
+        return self._graphed[key]
 
     def steps_left(self, limits: list[int]) -> int:
         """Read done flags and lengths (the loop's only sync point between steps) and return a
@@ -172,6 +176,8 @@ class Runtime:
         """Generate for each prompt; `sampling` = dict(temperature, top_k, top_p, seed) or None."""
         st = self.state
         st.load_prompts(prompts, max_new_tokens, eos_ids)
+        if sampling is not None:              # the cheapest warp exact for these settings
+            self.filters = filters_for(sampling["top_k"], sampling["top_p"], st.noise.shape[-1])
         step = self.step_callable(sampling is not None)   # captures before seeding: runs reproduce
         if sampling is not None:
             st.set_sampling(**sampling)

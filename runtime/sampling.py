@@ -1,7 +1,9 @@
 """Exact speculative sampling with static shapes and no host sync.
 
-- `warp(logits, temperature, top_k, top_p)`: the sampling distribution after temperature,
-  top-k and top-p (HF's order), as probabilities.
+- `warp(logits, temperature, top_k, top_p, filters=...)`: the sampling distribution after
+  temperature, top-k and top-p (HF's order), as probabilities; `filters_for(top_k, top_p)`
+  names the cheapest of its variants that is exact for those settings (the host's choice: one
+  compiled step per variant, built when first used).
 - `race(probs, noise)`: a categorical sample as `argmax(probs / noise)` with `noise ~ Exp(1)`
   (the exponential race): no `multinomial`, no data-dependent shape.
 - `speculative_accept(draft_tokens, q, p, uniforms, noise)`: rejection sampling of Leviathan et
@@ -18,27 +20,84 @@ from __future__ import annotations
 import torch
 
 
-def warp(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+FILTERS = ("any", "top_k", "temperature")
+TOP_K_CAP = 64          # the "top_k" variant's largest k
+
+
+def filters_for(top_k: int, top_p: float, vocab_size: int) -> str:
+    """The cheapest `warp` variant exact for these settings: "temperature" when top-k and
+    top-p are off, "top_k" for 1 <= top_k <= TOP_K_CAP < vocab_size (top-p on or off;
+    transformers' default top_k is 50), else "any"."""
+    if top_k <= 0 and top_p >= 1:
+        return "temperature"
+    return "top_k" if 1 <= top_k <= TOP_K_CAP < vocab_size else "any"
+
+
+def warp(logits: torch.Tensor, temperature, top_k, top_p, filters: str = "any") -> torch.Tensor:
     """Probabilities after temperature, then top-k, then top-p (HF's order and tie rules).
 
     The settings may be Python numbers or 1-element tensors (so one compiled step serves every
-    setting); top_k <= 0 and top_p >= 1 disable those filters. Static shapes throughout.
+    setting); top_k <= 0 and top_p >= 1 disable those filters. Static shapes throughout. The
+    `filters` variants compute the same distribution where they apply (see `filters_for`):
+    - "any": every setting, and no sort: each cut is a threshold found by bisection over the
+      values' order (`_keys`), 33 passes of a count or a sum over the vocabulary;
+    - "top_k": top_k in 1..TOP_K_CAP, over more than TOP_K_CAP tokens: the TOP_K_CAP largest
+      values (`topk`) hold both cuts;
+    - "temperature": top-k and top-p off: a softmax.
+    Top-k keeps every token tied with the k-th largest, as HF does; top-p drops the tokens whose
+    value's cumulative mass (ascending, ties together) is <= 1 - top_p, keeping the largest.
     """
-    # Written to trace symbolically too: no tuple unpacking of tensors, no Python shape logic.
+    if filters not in FILTERS:
+        raise ValueError(f"warp filters must be one of {FILTERS}, got {filters!r}")
     V = logits.shape[-1]
     temperature, top_k, top_p = (torch.tensor([v], device=logits.device) if isinstance(v, (int, float)) else v
                                  for v in (temperature, top_k, top_p))
     logits = logits.float() / temperature
-    sort = logits.sort(dim=-1)                                        # ascending
-    ordered, order = sort[0], sort[1]
+    if filters == "temperature":
+        return logits.softmax(-1)
+    if filters == "top_k":
+        return _warp_capped(logits, top_k, top_p)
+    key = _keys(logits)
+    lowest, highest = key.amin(-1, keepdim=True), key.amax(-1, keepdim=True)
+    # Top-k: the largest key t with count(key >= t) >= k, i.e. the k-th largest value.
     k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    kth = ordered.gather(-1, (V - k).expand_as(ordered[..., :1]))     # k-th largest value
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    cum = ordered.softmax(-1).cumsum(-1)
-    last = torch.arange(V, device=logits.device) == V - 1
-    drop_sorted = (cum <= 1 - top_p) & ~last                          # always keep the top token
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill((logits < kth) | drop, float("-inf")).softmax(-1)
+    kth = _bisect(lowest, highest, lambda t: (key >= t).sum(-1, keepdim=True) >= k)
+    logits = logits.masked_fill(key < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    # Top-p: the largest key t whose mass at or below it is <= 1 - top_p; those tokens go.
+    cut = _bisect(lowest - 1, highest, lambda t: (probs * (key <= t)).sum(-1, keepdim=True) <= 1 - top_p)
+    return logits.masked_fill((key <= cut) & (key < highest), float("-inf")).softmax(-1)
+
+
+def _warp_capped(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """`warp` for 1 <= top_k <= TOP_K_CAP from the TOP_K_CAP largest values, descending."""
+    top = logits.topk(TOP_K_CAP, dim=-1).values                                  # [..., CAP]
+    kth = top.gather(-1, (top_k - 1).clamp(0, TOP_K_CAP - 1).expand_as(top[..., :1]))
+    top = top.masked_fill(top < kth, float("-inf"))
+    p = top.softmax(-1)
+    # Mass at or below each value, ties together (a tie's first entry, descending, counts them all).
+    at_or_below = 1 - (p.cumsum(-1) - p)
+    at_or_below = (at_or_below[..., None, :] * (top[..., :, None] == top[..., None, :])).amax(-1)
+    drop = at_or_below <= 1 - top_p                   # never the largest: its mass is 1
+    cut = torch.where(drop, top, torch.full_like(top, float("-inf"))).amax(-1, keepdim=True)
+    return logits.masked_fill((logits < kth) | (logits <= cut), float("-inf")).softmax(-1)
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as the float32 values `x` are (IEEE bits, negatives' magnitude bits
+    flipped), so a bisection over them ends on an exact value."""
+    bits = x.contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _bisect(lo: torch.Tensor, hi: torch.Tensor, holds) -> torch.Tensor:
+    """The largest t in [lo, hi] where `holds(t)` (monotone: true up to some t, false after; true
+    at lo), per row; 33 halvings cover any range of int32 keys."""
+    for _ in range(33):
+        mid = torch.div(lo + hi + 1, 2, rounding_mode="floor")
+        ok = holds(mid)
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid - 1)
+    return lo
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ the `fuse_spec_step` pass then inlines them into one flat graph.
   of k+1 tokens by the whole target (which also returns its hidden states), then the head's
   refill over the verified positions. `MTPPrefill` fills the head's KV during prefill.
 
-With `sample=True` a step samples instead of taking the argmax: drafts are drawn from the
-drafter's warped distribution q, and `speculative_accept` (rejection sampling) keeps the
-target's distribution p. Random numbers are step inputs, drawn by the runtime beforehand.
+With `sample=True` (or the name of a `warp` variant, see `sampling.filters_for`) a step
+samples instead of taking the argmax: drafts are drawn from the drafter's warped distribution
+q, and `speculative_accept` (rejection sampling) keeps the target's distribution p. Random
+numbers are step inputs, drawn by the runtime beforehand.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
 
 
-def propose(logits, sample: bool, noise, warping):
+def _filters(sample) -> str:
+    """The `warp` variant a sampling step runs (`sample=True`: the one exact for every setting)."""
+    return "any" if sample is True else sample
+
+
+def propose(logits, sample, noise, warping):
     """Next token [B, 1] from logits [B, V]: argmax, or a draw from warp(logits) (also returned)."""
     if not sample:
         return logits.argmax(-1)[:, None], None
-    q = warp(logits, *warping)
+    q = warp(logits, *warping, filters=_filters(sample))
     return race(q, noise)[:, None], q
 
 
@@ -51,11 +57,11 @@ def _verify(verify, tokens, last, drafts, k: int, max_pos: int, span, kv):
     return verify(ids, pos, span, *kv), pos
 
 
-def _accept(sample: bool, drafts, q, target_logits, uniforms, noise, warping):
+def _accept(sample, drafts, q, target_logits, uniforms, noise, warping):
     """(emitted, n): greedy acceptance, or rejection sampling against warp(target_logits)."""
     if not sample:
         return greedy_accept(drafts, target_logits)
-    return speculative_accept(drafts, q, warp(target_logits, *warping), uniforms, noise)
+    return speculative_accept(drafts, q, warp(target_logits, *warping, filters=_filters(sample)), uniforms, noise)
 
 
 class DecodeStep(nn.Module):

@@ -55,7 +55,9 @@ class Programs:
     max_seq_len: int
     weights: dict[str, torch.Tensor]   # kept alive: AOTI constants point at these tensors
 
-    def fused_sample_step(self) -> Callable:
+    def fused_sample_step(self, filters: str = "any") -> Callable:
+        """The exported sampling step: its warp is exact for every setting, so it serves every
+        variant the runtime asks for."""
         return self.load_sample_step()
 
 

@@ -58,20 +58,21 @@ class Graphs:
     draft_calls: dict[str, int] = field(default_factory=dict)        # part -> calls per step (drafting)
     unfused_step: fx.GraphModule | None = None
     records: list = field(default_factory=list)
-    make_step: Callable | None = None  # sample: bool -> step module (before tracing)
-    sample_step: fx.GraphModule | None = None
+    make_step: Callable | None = None  # sample: False, True or a warp variant -> step module (before tracing)
+    sample_steps: dict[str, fx.GraphModule] = field(default_factory=dict)   # warp variant -> fused step
     first: fx.GraphModule | None = None  # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
 
     @property
     def prefill(self) -> fx.GraphModule:
         return self.prefills[0].gm
 
-    def fused_sample_step(self) -> fx.GraphModule:
-        """The sampling variant of the step, built on first use."""
-        if self.sample_step is None:
+    def fused_sample_step(self, filters: str = "any") -> fx.GraphModule:
+        """The sampling step with warp variant `filters` (`runtime.sampling.warp`), built on first use."""
+        if filters not in self.sample_steps:
             pm = PassManager(self.records)
-            self.sample_step = fuse_step(pm, self.make_step(True), graph="sample_step")
-        return self.sample_step
+            name = "sample_step" if filters == "any" else f"sample_step[{filters}]"
+            self.sample_steps[filters] = fuse_step(pm, self.make_step(filters), graph=name)
+        return self.sample_steps[filters]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
 from specfx.passes import find_host_syncs
-from specfx.runtime.sampling import race, speculative_accept, warp
+from specfx.runtime.sampling import TOP_K_CAP, filters_for, race, speculative_accept, warp
 
 
 def _onehot(tokens, V):
@@ -106,18 +106,46 @@ def test_warp_matches_transformers_logits_processors():
         torch.testing.assert_close(warp(x, T, k, p), y.softmax(-1))
 
 
+@pytest.mark.parametrize("V", [200, 4096])
+def test_warp_variants_compute_the_same_distribution(V):
+    """Each variant `filters_for` picks equals the variant exact for every setting, ties and
+    tiny top-p included (the cheap ones run when the host knows the settings allow them)."""
+    torch.manual_seed(V)
+    x = torch.randn(2, 3, V) * 3
+    x[0, 0, :8] = x[0, 0].max()                              # ties at the top, and at the k-th
+    x[1, 2, 100:140] = x[1, 2].topk(5).values[-1]
+    for k, p in [(0, 1.0), (1, 1.0), (5, 1.0), (50, 1.0), (TOP_K_CAP, 1.0), (5, 0.9), (50, 0.5), (50, 1e-6),
+                 (0, 0.9), (100, 0.8)]:
+        filters = filters_for(k, p, V)
+        assert filters == ("temperature" if (k, p) == (0, 1.0) else "top_k" if 1 <= k <= TOP_K_CAP else "any")
+        ref = warp(x, 0.8, k, p)
+        torch.testing.assert_close(warp(x, 0.8, k, p, filters=filters), ref, atol=1e-6, rtol=0)
+    assert filters_for(50, 1.0, TOP_K_CAP) == "any"           # a vocabulary no larger than the cap
+
+
+def test_the_runtime_runs_the_cheapest_exact_warp():
+    model = tiny_model("llama", layers=2, vocab=96, seed=3)
+    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=48, backend="eager")
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    for kw, filters in [(dict(top_k=0, top_p=1.0), "temperature"), (dict(top_k=50), "top_k"),
+                        (dict(top_k=0, top_p=0.9), "any")]:
+        fast.generate(ids, max_new_tokens=8, do_sample=True, seed=0, eos_token_id=[], **kw)
+        assert fast.runtime.filters == filters and filters in fast.graphs.sample_steps
+    assert set(fast.graphs.sample_steps) == {"temperature", "top_k", "any"}
+
+
 V_SMALL = 16
 
 
-def _exact_two_token_marginals(model, prompt, T):
+def _exact_two_token_marginals(model, prompt, T, top_k=0, top_p=1.0):
     with torch.no_grad():
-        p1 = warp(model(prompt).logits[0, -1], T, 0, 1.0)                         # [V]
+        p1 = warp(model(prompt).logits[0, -1], T, top_k, top_p)                   # [V]
         ext = torch.cat([prompt.expand(V_SMALL, -1), torch.arange(V_SMALL)[:, None]], 1)
-        p2_given = warp(model(ext).logits[:, -1], T, 0, 1.0)                      # [V, V]
+        p2_given = warp(model(ext).logits[:, -1], T, top_k, top_p)                # [V, V]
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
-def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
+def _first_two_tv(model, draft, k, tmp_path, top_k: int = 0, top_p: float = 1.0) -> tuple[float, float]:
     """Total variation between the sampled distribution of the first two new tokens (4096 draws)
     and their exact marginals under the model."""
     if draft == "draft-model":
@@ -139,10 +167,10 @@ def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
     counts1, counts2 = torch.zeros(V_SMALL), torch.zeros(V_SMALL)
     for r in range(runs):
         out = fast.generate(prompt.expand(B, -1), max_new_tokens=2, do_sample=True, temperature=T,
-                            top_k=0, top_p=1.0, seed=r, eos_token_id=[])
+                            top_k=top_k, top_p=top_p, seed=r, eos_token_id=[])
         counts1 += torch.bincount(out[:, 4], minlength=V_SMALL)
         counts2 += torch.bincount(out[:, 5], minlength=V_SMALL)
-    p1, p2 = _exact_two_token_marginals(model, prompt, T)
+    p1, p2 = _exact_two_token_marginals(model, prompt, T, top_k, top_p)
     # Spread out: a sampler stuck on the top token would be off by 1 - max(p) > 0.4 in TV.
     assert p1.max() < 0.6 and p2.max() < 0.6, (p1.max(), p2.max())
     N = B * runs
@@ -155,6 +183,13 @@ def _first_two_tv(model, draft, k, tmp_path) -> tuple[float, float]:
 def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
     tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, k, tmp_path)
     # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
+    assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+
+
+def test_distribution_with_top_k_and_top_p(tmp_path):
+    """The same end-to-end test with both filters on (the warp variant exact for every setting)."""
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), "mtp", 2, tmp_path,
+                             top_k=8, top_p=0.9)
     assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
 
 
