@@ -56,6 +56,7 @@ class MTPTrainConfig:
     bf16: bool = True                # CPU autocast for the head's forward/backward
     arch: str = "specfx"             # the head's layout, one of specfx.heads.LAYOUTS
     draft_vocab: int | None = None   # eagle3 only: draft vocabulary size (None: the target's)
+    chain_weight: float = 0.0        # weight of the second draft's cross-entropy (`head_loss`)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 3 or self.windows < 1:
@@ -147,8 +148,14 @@ def draft_ids(head: nn.Module) -> torch.Tensor | None:
     return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
-def head_loss(head: nn.Module, parts, ids: torch.Tensor, feats: Features, regression_weight: float):
-    """(loss, ce, agreement) of the head on windows ids [B, T] with the target's Features [B, T, ...]."""
+def head_loss(head: nn.Module, parts, ids: torch.Tensor, feats: Features, regression_weight: float,
+              chain_weight: float = 0.0):
+    """(loss, ce, agreement) of the head on windows ids [B, T] with the target's Features [B, T, ...].
+
+    `chain_weight` adds the cross-entropy of a second draft that reads the head's own g_i where
+    h_{i+1} would be (EAGLE-3's training-time test, simplified: the second pass attends over
+    second-pass entries only), which trains the chain directly instead of through g ~ h.
+    """
     T = ids.shape[1]
     embeds = parts.embed(ids[:, 1:])                                  # t_{i+1}, i = 0..T-2
     combine = head.combiner(parts)
@@ -167,9 +174,21 @@ def head_loss(head: nn.Module, parts, ids: torch.Tensor, feats: Features, regres
     vocab = draft_ids(head)
     if vocab is not None:                  # both over the draft vocabulary: no -inf logit meets a 0
         logits, target_logits = logits[..., vocab], target_logits[..., vocab]
-    ce = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    ce = _cross_entropy(target_logits, logits)
     reg = F.smooth_l1_loss(_rms_normalise(g.float()), _rms_normalise(hidden[:, 1:].detach().float()))
-    return ce + regression_weight * reg, ce, agree
+    loss = ce + regression_weight * reg
+    if chain_weight:                       # draft 2 at position i + 1: (t_{i+2}, g_i) -> t_{i+3}
+        e2, pos2 = parts.embed(ids[:, 2:]), pos[:, : T - 2] + 1
+        g2 = head(e2, g[:, : T - 2], position_ids=pos2, position_embeddings=head.position_embeddings(parts, e2, pos2),
+                  attention_mask=position_mask(pos[:, : T - 2], T - 2, embeds.dtype))
+        logits2 = head.logits(parts, g2).float()
+        loss = loss + chain_weight * _cross_entropy(target_logits[:, 1:], logits2 if vocab is None else logits2[..., vocab])
+    return loss, ce, agree
+
+
+def _cross_entropy(target_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the head's logits against the target's next-token distribution."""
+    return -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
 
 
 def _rms_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +227,8 @@ def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: 
                 g["lr"] = lr_at(step, cfg)
             idx = torch.randint(0, windows.shape[0], (cfg.batch_size,), generator=gen)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, ce, agree = head_loss(head, parts, windows[idx], feats[idx], cfg.regression_weight)
+                loss, ce, agree = head_loss(head, parts, windows[idx], feats[idx], cfg.regression_weight,
+                                            cfg.chain_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -99,3 +99,4 @@ def test_train_mtp_cli_writes_an_eagle3_head(tmp_path):
     assert config["layout"] == "eagle3" and config["train"]["config"]["draft_vocab"] == 512
     head = specfx.MTPHead(str(head_dir)).load(model)
     assert head.layout == "eagle3" and head.d2t.numel() == 512
+

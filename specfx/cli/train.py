@@ -43,6 +43,9 @@ def add_parser(sub):
                    help="mtp --arch eagle3 only: draft vocabulary size, the target's most frequent tokens "
                         "in the training windows (default: the target's whole vocabulary)")
     p.add_argument("--regression-weight", type=float, default=0.5, help="mtp only: weight of the feature regression")
+    p.add_argument("--chain-weight", type=float, default=None,
+                   help="mtp only: weight of a second draft's cross-entropy, the head reading its own output "
+                        "(EAGLE-3's training-time test; default 1 for --arch eagle3, else 0)")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--task", choices=["completion", "editing"], default="completion",
                    help="prompts only: which evaluation set to cut")
@@ -81,7 +84,9 @@ def run(args) -> int:
         info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps,
                          batch_size=args.batch_size or 8, seq_len=args.seq_len, lr=args.lr or 1e-3,
                          windows=args.windows, regression_weight=args.regression_weight, seed=args.seed,
-                         num_prompts=args.eval_prompts, arch=args.arch, draft_vocab=args.draft_vocab)
+                         num_prompts=args.eval_prompts, arch=args.arch, draft_vocab=args.draft_vocab,
+                         chain_weight=args.chain_weight if args.chain_weight is not None else
+                         float(args.arch == "eagle3"))
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(

@@ -263,6 +263,8 @@ own lm_head (the embedding, final norm and lm_head are the target's and are not 
 decoder layer -> RMSNorm -> the target's own lm_head (the embedding and lm_head are the target's).""",
     }[arch]
     arch_flag = "" if arch == "specfx" else f" --arch {arch}"
+    chain = (f" + {cfg['chain_weight']} x the cross-entropy of a second draft reading the head's own output"
+             if cfg.get("chain_weight") else "")
     return f"""# {name}
 
 An MTP/EAGLE-style draft head for `{target}`, trained by `specfx train mtp --target {target}{arch_flag}`:
@@ -273,7 +275,7 @@ An MTP/EAGLE-style draft head for `{target}`, trained by `specfx train mtp --tar
 - training: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens over {cfg['windows']} precomputed
   windows of the target's hidden states, seed {cfg['seed']}, {info['train_seconds'] / 60:.0f} min on
   {info['threads']} CPU threads (torch {info['torch']}); loss: cross-entropy against the target's
-  next-token distribution + {cfg['regression_weight']} x feature regression
+  next-token distribution + {cfg['regression_weight']} x feature regression{chain}
 
 ## Measured
 
