@@ -208,13 +208,13 @@ def save_head(head: nn.Module, out: str | Path, target: nn.Module, info: dict | 
     """Write `model.safetensors` and `config.json` (with the target's record) to `out`."""
     from safetensors.torch import save_file
 
+    from specfx.heads import head_config
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().cpu()
              for k, v in head.state_dict().items()}                  # integer buffers (d2t) stay integer
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    from specfx.heads import head_config
-
     layout = getattr(head, "layout", "specfx")
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": type(head).__name__,
               "layout": layout, **({"head_config": head_config(head)} if head_config(head) else {}),
