@@ -52,7 +52,7 @@ def run(args) -> int:
                    streamer=printer)
     print()
     rows = [(f"specfx.load(format={args.format!r})", t_load - t_enter),
-            ("tokenizer (tokenizer.json)", t_tok - t_load), ("prompt -> first token (prefill + step)",
+            ("tokenizer (tokenizer.json)", t_tok - t_load), ("prompt -> first token (prefill and its head)",
                                                               printer.first - t_tok)]
     _print_tables(rows, since_start, printer.first - t_enter, model)
     return 0
