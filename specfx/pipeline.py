@@ -174,10 +174,10 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         if isinstance(e.__cause__, StructureError):   # a part the drafter needs: the user's to act on
             raise StructureError(f"{architecture(model)}, drafter {drafter}: {e.__cause__}") from e
         raise
-    # The first new token comes from the prefill's last hidden state, through the head alone.
-    # (No KV buffers in it: only the skinny-matmul rewrite of the tail applies.)
-    graphs.first = pm.run_all([CutAtExit(target.structure, L), *tail_passes(matmul)[1:]], target.capture(1),
-                              graph="first")
+    # The first new token comes from the prefill's last hidden state, through the head alone
+    # (no KV buffers in it: of the tail passes only the skinny-matmul rewrite applies).
+    head_only = [CutAtExit(target.structure, L)] + ([SkinnyMatmul(matmul)] if matmul is not None else [])
+    graphs.first = pm.run_all(head_only, target.capture(1), graph="first")
     kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
                                         vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
