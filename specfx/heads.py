@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from specfx.mtp import DraftHead, cache_arg
 
 LAYOUTS = ("specfx", "eagle", "eagle3", "deepseek-mtp")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -121,7 +122,7 @@ class EagleHead(_LlamaHeadBase):
         x = self.fc(torch.cat([embeds, hidden], -1))
         layer = self.layers[0]
         return layer(x, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None,
-                     position_embeddings=position_embeddings, **{_cache_arg(layer): cache})
+                     position_embeddings=position_embeddings, **{cache_arg(type(layer)): cache})
 
     def logits(self, parts, g):
         return parts.lm_head(g)
@@ -152,7 +153,7 @@ class Eagle3Layer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], -1)
         attn, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                 position_ids=position_ids, **{_cache_arg(self.self_attn): cache})
+                                 position_ids=position_ids, **{cache_arg(type(self.self_attn)): cache})
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -214,7 +215,7 @@ class Eagle3Head(_LlamaHeadBase):
         return full.index_copy(-1, ids, draft)
 
 
-class DeepSeekMTPHead(nn.Module):
+class DeepSeekMTPHead(DraftHead):
     """DeepSeek-V3's MTP module: `g = Block(eh_proj(cat(enorm(emb), hnorm(h))))`, logits
     `shared_head.head(shared_head.norm(g))`; h is the target's normed final hidden state, and
     the embedding is zeroed at position 0.
@@ -223,57 +224,48 @@ class DeepSeekMTPHead(nn.Module):
     weights `model.layers.{num_hidden_layers}.{enorm,hnorm,eh_proj,shared_head.*}` and the block's
     own names under the same prefix) and SGLang `models/deepseek_nextn.py`. The block is one
     decoder layer of the target's class.
+
+    The modules are specfx's `DraftHead`'s (the block is `layers.0`, `shared_head.norm` is `norm`;
+    `_from_deepseek` / `_to_deepseek` map the names), with its own lm_head `head` where the
+    checkpoint's differs from the target's (None: the target's).
     """
 
     layout = "deepseek-mtp"
 
     def __init__(self, parts):
-        super().__init__()
-        from specfx.mtp import _norm_eps
-
-        c, H = parts.config, parts.config.hidden_size
-        norm_cls, eps = type(parts.norm), _norm_eps(parts.config)
-        self.enorm, self.hnorm = norm_cls(H, eps=eps), norm_cls(H, eps=eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = type(parts.layers[0])(c, layer_idx=0)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = norm_cls(H, eps=eps)
-        self.shared_head.head = None                    # None: the target's lm_head (equal weights)
-
-    hidden_size = property(lambda self: self.eh_proj.out_features)
-
-    def layer_config(self, parts):
-        return parts.config
-
-    def position_embeddings(self, parts, embeds, positions):
-        return parts.position_embeddings(embeds, positions)
-
-    def taps(self, num_layers: int) -> tuple[int, ...]:
-        return (num_layers - 1,)
+        super().__init__(parts.config, type(parts.layers[0]), type(parts.norm))
+        self.head = None
 
     def combiner(self, parts):
         return parts.norm
 
-    def forward(self, embeds, hidden, *, position_ids, position_embeddings, attention_mask=None, cache=None):
+    def forward(self, embeds, hidden, *, position_ids, **kwargs):
         embeds = torch.where(position_ids[..., None] == 0, torch.zeros_like(embeds), embeds)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
-        kwargs = {"position_embeddings": position_embeddings} if position_embeddings is not None else {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            out = self.block(x, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=cache is not None, **{_cache_arg(self.block): cache}, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return super().forward(embeds, hidden, position_ids=position_ids, **kwargs)
 
     def logits(self, parts, g):
-        head = self.shared_head.head if self.shared_head.head is not None else parts.lm_head
-        return head(self.shared_head.norm(g))
+        return (self.head if self.head is not None else parts.lm_head)(self.norm(g))
 
 
-def _cache_arg(layer: nn.Module) -> str:
-    import inspect
+_DEEPSEEK_OWN = ("enorm.", "hnorm.", "eh_proj.")
 
-    params = inspect.signature(type(layer).forward).parameters
-    return next((a for a in ("cache", "layer_past", "past_key_values") if a in params), "past_key_values")
+
+def _from_deepseek(name: str) -> str:
+    """A DeepSeek MTP weight name (its layer prefix stripped) -> `DeepSeekMTPHead`'s."""
+    if name.startswith(_DEEPSEEK_OWN):
+        return name
+    if name.startswith("shared_head."):
+        return name[len("shared_head."):]
+    return "layers.0." + name
+
+
+def _to_deepseek(name: str) -> str:
+    """`DeepSeekMTPHead`'s weight name -> the DeepSeek MTP layout's (without the layer prefix)."""
+    if name.startswith(_DEEPSEEK_OWN):
+        return name
+    if name.startswith(("norm.", "head.")):
+        return "shared_head." + name
+    return name[len("layers.0."):]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,9 +371,6 @@ def deepseek_prefix(config: dict) -> str:
     return f"model.layers.{config['num_hidden_layers']}."
 
 
-_DEEPSEEK_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
-
-
 def _load_deepseek(config, state, parts, path) -> DeepSeekMTPHead:
     t = parts.config
     for key, what in (("hidden_size", "hidden size"), ("vocab_size", "vocabulary size")):
@@ -398,13 +387,12 @@ def _load_deepseek(config, state, parts, path) -> DeepSeekMTPHead:
     mine.pop("embed_tokens.weight", None)                # the target's, shared
     head = DeepSeekMTPHead(parts)
     own_head = mine.pop("shared_head.head.weight", None)
-    renamed = {(k if k.startswith(_DEEPSEEK_OWN) else "block." + k): v for k, v in mine.items()}
-    _load_strict(head, renamed, path, "deepseek-mtp")
+    _load_strict(head, {_from_deepseek(k): v for k, v in mine.items()}, path, "deepseek-mtp")
     if own_head is not None and not torch.equal(own_head.to(parts.lm_head.weight.dtype),
                                                 parts.lm_head.weight.detach().cpu()):
         _check_fit(path, "shared_head.head shape", tuple(own_head.shape), tuple(parts.lm_head.weight.shape))
-        head.shared_head.head = nn.Linear(own_head.shape[1], own_head.shape[0], bias=False)
-        head.shared_head.head.weight.data.copy_(own_head)
+        head.head = nn.Linear(own_head.shape[1], own_head.shape[0], bias=False)
+        head.head.weight.data.copy_(own_head)
     return head
 
 
@@ -433,12 +421,12 @@ def load_layout(path: str | Path, target: nn.Module, layout: str | None = None) 
 def empty_head(parts, layout: str, head_config: dict | None = None, state: dict | None = None) -> nn.Module:
     """An uninitialised head of `layout` for the target `parts` (`head_config`: an EAGLE
     head's config.json; None: a Llama layer of the target's sizes), with room for the weights
-    in `state` (a DeepSeek head with its own `shared_head.head`)."""
+    in `state` (a DeepSeek head with its own lm_head, `head`)."""
     if layout == "deepseek-mtp":
         head = DeepSeekMTPHead(parts)
-        own = (state or {}).get("shared_head.head.weight")
+        own = (state or {}).get("head.weight")
         if own is not None:
-            head.shared_head.head = nn.Linear(own.shape[1], own.shape[0], bias=False)
+            head.head = nn.Linear(own.shape[1], own.shape[0], bias=False)
         return head
     if layout in ("eagle", "eagle3"):
         cfg = _llama_config(head_config if head_config is not None else _eagle_dict(parts.config, layout))
@@ -457,7 +445,7 @@ def new_layout_head(target: nn.Module, layout: str, **config) -> nn.Module:
     parts = target_parts(target)
     head = empty_head(parts, layout, _eagle_dict(parts.config, layout, **config) if layout != "deepseek-mtp" else None)
     if layout == "deepseek-mtp":
-        head.block.load_state_dict(parts.layers[-1].state_dict())
+        head.layers[0].load_state_dict(parts.layers[-1].state_dict())
     param = next(target.parameters())
     return head.to(param.device, param.dtype)
 
@@ -519,11 +507,9 @@ def write_layout(head: nn.Module, out: str | Path, target: nn.Module, layout: st
     else:
         t = parts.config
         prefix = f"model.layers.{t.num_hidden_layers}."
-        renamed = {}
-        for k, v in state.items():
-            renamed[prefix + (k[len("block."):] if k.startswith("block.") else k)] = v
-        head_w = head.shared_head.head.weight if head.shared_head.head is not None else parts.lm_head.weight
-        renamed[prefix + "shared_head.head.weight"] = head_w.detach().contiguous().cpu().clone()
+        renamed = {prefix + _to_deepseek(k): v for k, v in state.items()}
+        if head.head is None:                            # the layout stores the lm_head it uses
+            renamed[prefix + "shared_head.head.weight"] = parts.lm_head.weight.detach().contiguous().cpu().clone()
         renamed[prefix + "embed_tokens.weight"] = parts.embed.weight.detach().contiguous().cpu().clone()
         state = renamed
         config = t.to_dict()

@@ -106,6 +106,12 @@ def _norm_eps(config) -> float:
     return 1e-6
 
 
+def cache_arg(module_cls: type) -> str:
+    """What a layer or attention class names its cache argument (GPT-NeoX: layer_past)."""
+    params = inspect.signature(module_cls.forward).parameters
+    return next((a for a in ("cache", "layer_past", "past_key_values") if a in params), "past_key_values")
+
+
 class DraftHead(nn.Module):
     """`Layer(eh_proj([enorm(e); hnorm(h)]))` with one decoder layer of the target's type.
 
@@ -121,10 +127,7 @@ class DraftHead(nn.Module):
         self.enorm, self.hnorm, self.norm = norm_cls(H, eps=eps), norm_cls(H, eps=eps), norm_cls(H, eps=eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList([layer_cls(config, layer_idx=0)])
-        # Layers name their cache argument differently (GPT-NeoX: layer_past).
-        params = inspect.signature(layer_cls.forward).parameters
-        self._cache_arg = next((a for a in ("cache", "layer_past", "past_key_values") if a in params),
-                               "past_key_values")
+        self._cache_arg = cache_arg(layer_cls)
 
     def forward(self, embeds, hidden, *, position_ids, position_embeddings, attention_mask=None, cache=None):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], -1))
