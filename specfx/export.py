@@ -132,8 +132,8 @@ def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dic
     out = {}
     for name, (gm, args, info) in _programs(graphs).items():
         lean = _lean(gm)
-        out[name] = (torch.export.export(lean, args, dynamic_shapes=_span_dynamic(lean, args, graphs.state),
-                                         strict=False), info)
+        shapes = _span_dynamic(lean, args, graphs.state, width=info["role"] == "prefill")
+        out[name] = (torch.export.export(lean, args, dynamic_shapes=shapes, strict=False), info)
     return out
 
 
@@ -170,13 +170,13 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     return programs
 
 
-def _span_dynamic(module, args: tuple, state):
-    """torch.export's dynamic_shapes for `module(*args)`: the span's length symbolic, and a
-    prefill's width (dim 1 of its ids and positions, the first two args), all else static."""
+def _span_dynamic(module, args: tuple, state, *, width: bool = False):
+    """torch.export's dynamic_shapes for `module(*args)`: the span's length symbolic, and with
+    `width` (a prefill) dim 1 of its ids and positions (the first two args), all else static."""
     shapes = torch.export.ShapesCollection()
     span = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.uint8 and a.dim() == 1)
     shapes[span] = (torch.export.Dim.DYNAMIC(min=2, max=state.seq_len),)      # as specfx.capture does
-    if args[2] is span and args[0].dtype == torch.long:               # a prefill: (input_ids, positions, span, *kv)
+    if width:                                                         # (input_ids, positions, span, *kv)
         for t in args[:2]:
             shapes[t] = (None, torch.export.Dim.DYNAMIC(min=2, max=args[0].shape[1]))
     return shapes.dynamic_shapes(module, args)
