@@ -18,6 +18,11 @@ import torch
 from torch import fx
 
 SPAN = {"span": (0,)}
+# Inductor's C++ kernels with a multiply and an add fused into one FMA instruction. Inductor
+# turns contraction off by default; the step's kernels are products and sums (the skinny
+# matmuls, attention), which then issue twice the floating-point instructions. The rounding
+# differs from an unfused product and sum as a different summation order does.
+CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
 WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 
 
@@ -57,7 +62,7 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
-    with torch.no_grad(), config.patch(cpp_wrapper=cpu):
+    with torch.no_grad(), config.patch(cpp_wrapper=cpu, **(CPU_INDUCTOR if cpu else {})):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
 
 

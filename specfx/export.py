@@ -43,6 +43,7 @@ import torch
 from torch import fx, nn
 
 from specfx import __version__
+from specfx.runtime.compile import CPU_INDUCTOR
 from specfx.artifact import (FORMAT_VERSION, LOADABLE, MANIFEST, WEIGHTS, LoadedModel, dtype_name, load_artifact,
                              read_manifest, sha256)
 from specfx.passes.skinny_matmul import strip_materialize
@@ -81,7 +82,7 @@ def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
                for name, (_, info) in programs.items()}
     if "aoti" in formats:                     # before the pt2 save empties the programs' weights
         for name, ep in eps.items():
-            entries[name]["aoti"] = _save_aoti(ep, out / "aoti" / f"{name}.pt2", out)
+            entries[name]["aoti"] = _save_aoti(ep, out / "aoti" / f"{name}.pt2", out, state.tokens.device)
             files.append(entries[name]["aoti"])
     if "pt2" in formats:
         for name, ep in eps.items():
@@ -244,11 +245,11 @@ def _save_pt2(ep, path: Path, out: Path) -> str:
     return path.relative_to(out).as_posix()
 
 
-def _save_aoti(ep, path: Path, out: Path) -> str:
+def _save_aoti(ep, path: Path, out: Path, device: torch.device) -> str:
     """An AOTInductor package of `ep` without its weights (`load_constants` supplies them)."""
     path.parent.mkdir(exist_ok=True)
-    torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
-                                             inductor_configs={"aot_inductor.package_constants_in_so": False})
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs={
+        "aot_inductor.package_constants_in_so": False, **(CPU_INDUCTOR if device.type == "cpu" else {})})
     return path.relative_to(out).as_posix()
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from specfx.passes.skinny_matmul import Choice
+from specfx.runtime.compile import CPU_INDUCTOR
 
 REPEATS = 9
 _memory: dict[str, dict] = {}
@@ -81,7 +82,7 @@ class MatmulPlan:
         shapes = Counter(tuple(w.shape) for w in weights)
         digest = hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:12]
         w0 = weights[0]
-        key = f"{machine()}|{w0.dtype}|{w0.device.type}|M={M}|{digest}"
+        key = f"{machine()}|{w0.dtype}|{w0.device.type}|M={M}|{digest}|{_kernel_flags()}"
         if key not in self.measured:
             cached = _load().get(key)
             if cached is None:
@@ -96,6 +97,11 @@ def reduce_form(w: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.stack([(w * x[m]).sum(-1) for m in range(rows)], 0)
 
 
+def _kernel_flags() -> str:
+    """The Inductor settings a measurement was compiled with (a change re-measures)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items()))
+
+
 def measure(weights: list[torch.Tensor], M: int) -> dict:
     """Median ms of all `weights` at M rows, through BLAS and through the reduce form."""
     ks = sorted({w.shape[1] for w in weights})
@@ -105,7 +111,8 @@ def measure(weights: list[torch.Tensor], M: int) -> dict:
     out = {"linears": len(weights)}
     with torch.no_grad():
         for name, kernel in (("blas_ms", lambda w, x: F.linear(x, w)), ("reduce_ms", lambda w, x: reduce_form(w, x, M))):
-            fn = torch._inductor.compile(_all_linears(weights, ks, kernel), args)
+            with torch._inductor.config.patch(CPU_INDUCTOR):
+                fn = torch._inductor.compile(_all_linears(weights, ks, kernel), args)
             times = []
             for r in range(REPEATS + 1):
                 t = time.perf_counter()

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import fx
 
+from specfx.runtime.compile import CPU_INDUCTOR
+
 REPEATS = 15
 
 
@@ -79,7 +81,7 @@ def probes(weights: list[torch.Tensor]) -> dict[str, float]:
     flat = torch.empty(nbytes // weights[0].element_size(), dtype=weights[0].dtype,
                        device=weights[0].device).normal_()
     gm = fx.symbolic_trace(lambda x: x.sum())
-    with torch.no_grad():
+    with torch.no_grad(), torch._inductor.config.patch(CPU_INDUCTOR):
         total = torch._inductor.compile(gm, [flat])
     sum_ms = _median_ms(lambda: total(flat))
     return {"linears, skinny reduction": nbytes / linears["reduce_ms"] / 1e6,
