@@ -58,7 +58,7 @@ class StaticState:
     top_k: torch.Tensor        # [1] long, 0: off
     top_p: torch.Tensor        # [1] float, 1: off
     spans: torch.Tensor        # [S] uint8: `span` is a view of its first L entries
-    kv: list[torch.Tensor]     # per layer: key, value [B, S + 1, H, D]
+    kv: list[torch.Tensor]     # per layer: key, value [B, H, S + 1, D]
     generator: torch.Generator | None = None
     span: torch.Tensor | None = None   # [L]: attention reads slots 0..L-1 (only its length matters)
     lock: CallerLock = field(default_factory=CallerLock, repr=False, compare=False)

@@ -38,14 +38,15 @@ def kv_name(kind: str, layer: int) -> str:
 
 
 def kv_shape(config, batch_size: int, max_seq_len: int) -> tuple[int, int, int, int]:
-    """[B, S, H_kv, D] of one layer's key (or value) buffer.
+    """[B, H_kv, S, D] of one layer's key (or value) buffer.
 
-    Position-major: the slots an attention span reads are one contiguous block whatever
-    `max_seq_len` is, and one position's keys of every head are written together.
+    Head-major, the layout attention reads: the slots of one head that an attention span reads
+    are one contiguous block (a position-major [B, S, H, D] buffer interleaves the heads, and
+    on the CPU the decode step's attention read it about 7% slower, measured on pycoder).
     """
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (batch_size, max_seq_len, heads, head_dim)
+    return (batch_size, heads, max_seq_len, head_dim)
 
 
 class _ScatterCache(Cache):
@@ -55,13 +56,14 @@ class _ScatterCache(Cache):
         self.owner, self.positions, self.layers = owner, positions, []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.owner.kv(layer_idx)                                 # [B, S, H, D]
-        # keys[b, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
-        # writes in place (a scatter_ would copy the whole buffer and copy it back).
+        keys, values = self.owner.kv(layer_idx)                                 # [B, H, S, D]
+        # keys[b, :, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
+        # writes in place (a scatter_ would copy the whole buffer and copy it back). The indexed
+        # view is [B, W, H, D] (indexed dims first), so the states go in as [B, W, H, D].
         rows = torch.arange(keys.shape[0], device=keys.device)[:, None]        # [B, 1]
-        keys[rows, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, self.positions] = value_states.transpose(1, 2).to(values.dtype)
-        return keys.transpose(1, 2), values.transpose(1, 2)                     # [B, H, S, D] views
+        keys[rows, :, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, self.positions] = value_states.transpose(1, 2).to(values.dtype)
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0

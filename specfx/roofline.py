@@ -94,7 +94,7 @@ def kv_bytes(model, context: int) -> int:
     from specfx.capture import kv_shape, text_config
 
     config = text_config(model)
-    B, _, H, D = kv_shape(config, 1, context)
+    B, H, _, D = kv_shape(config, 1, context)
     return 2 * config.num_hidden_layers * context * H * D * next(model.parameters()).element_size()
 
 

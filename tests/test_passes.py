@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from helpers import span, tiny_model
-from specfx.capture import capture
+from specfx.capture import capture, kv_shape
 from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, FuseSpecStep,
                            PassError, PassManager, ShareKVBuffers, TruncateAtExit, find_host_syncs)
 from specfx.passes.find_structure import layer_index
@@ -106,7 +106,7 @@ def test_share_kv_buffers(setup):
     gm = res.graph_module
     assert res.modified and gm.meta["kv_inputs"] == [f"kv_{t}_{i}" for i in range(L) for t in "kv"]
     assert not any(n.op == "get_attr" and n.target.startswith("kv_") for n in gm.graph.nodes)
-    kv = [torch.zeros(1, S + 1, 2, 16) for _ in range(2 * L)]
+    kv = [torch.zeros(kv_shape(model.config, 1, S + 1)) for _ in range(2 * L)]
     with torch.no_grad():
         (logits,) = gm(ids, pos, span(S), *kv)
     torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)

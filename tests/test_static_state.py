@@ -15,7 +15,7 @@ def test_kv_length_is_rounded_up_and_generation_stays_exact_up_to_max_seq_len():
     fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=3, max_seq_len=29, backend="eager")
     st = fast.graphs.state
     assert st.seq_len == 48 and st.seq_len % KV_ALIGN == 0                # 29 + k + 1 = 33 -> 48
-    assert {t.shape[1] for t in st.kv} == {kv_slots(48)}                 # [B, S + 1, H, D]
+    assert {t.shape[2] for t in st.kv} == {kv_slots(48)}                 # [B, H, S + 1, D]
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     ours = fast.generate(ids, max_new_tokens=20, eos_token_id=[])      # fills max_seq_len exactly
     assert_greedy_equal(model, ours, hf_greedy(model, ids, 20), 9)
