@@ -18,12 +18,12 @@ import torch
 from torch import fx
 
 SPAN = {"span": (0,)}
+WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 # Inductor's C++ kernels with a multiply and an add fused into one FMA instruction. Inductor
 # turns contraction off by default; the step's kernels are products and sums (the skinny
 # matmuls, attention), which then issue twice the floating-point instructions. The rounding
 # differs from an unfused product and sum as a different summation order does.
 CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
-WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 
 
 def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic: dict[str, tuple[int, ...]] | None = None):

@@ -43,10 +43,10 @@ import torch
 from torch import fx, nn
 
 from specfx import __version__
-from specfx.runtime.compile import CPU_INDUCTOR
 from specfx.artifact import (FORMAT_VERSION, LOADABLE, MANIFEST, WEIGHTS, LoadedModel, dtype_name, load_artifact,
                              read_manifest, sha256)
 from specfx.passes.skinny_matmul import strip_materialize
+from specfx.runtime.compile import CPU_INDUCTOR
 from specfx.runtime.state import STEP_INPUTS
 
 FORMATS = ("pt2", "aoti", "onnx")

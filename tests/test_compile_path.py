@@ -9,9 +9,8 @@ import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
 from specfx.runtime.compile import InductorGraph
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_steps_run_without_guard_checks_or_recompiles():
     model = tiny_model("llama", layers=2, seed=9)
     fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=3, max_seq_len=200)
@@ -31,3 +30,20 @@ def test_steps_run_without_guard_checks_or_recompiles():
             rt.step()
     names = {e.key for e in prof.key_averages()}
     assert not any("TorchDynamo" in name or "Torch-Compiled Region" in name for name in names), names
+
+
+def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
+    """The CPU kernels fuse multiply-add (Inductor's default is off; see CPU_INDUCTOR)."""
+    import torch._inductor.compile_fx as cfx
+    from torch import fx
+    from torch._inductor import config
+
+    from specfx.runtime.compile import compile_graph
+
+    seen = []
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, args: seen.append(
+        (config.cpp.enable_floating_point_contract_flag, config.cpp_wrapper)) or gm)
+    fn = compile_graph(fx.symbolic_trace(lambda x: x * 2 + 1), "inductor")
+    x = torch.ones(3)
+    torch.testing.assert_close(fn(x), x * 2 + 1)
+    assert seen == [("fast", True)]
