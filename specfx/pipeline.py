@@ -111,7 +111,12 @@ class BuildContext:
 
 def tail_passes(matmul) -> list[Pass]:
     """KV buffers as inputs, then (with a measured plan) the skinny-matmul rewrite."""
-    return [ShareKVBuffers()] + ([SkinnyMatmul(matmul)] if matmul is not None else [])
+    return [ShareKVBuffers(), *skinny_passes(matmul)]
+
+
+def skinny_passes(matmul) -> list[Pass]:
+    """The skinny-matmul rewrite with a measured plan; nothing without one."""
+    return [SkinnyMatmul(matmul)] if matmul is not None else []
 
 
 _BUILDERS: dict[type, Callable] = {}
@@ -176,8 +181,8 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         raise
     # The first new token comes from the prefill's last hidden state, through the head alone
     # (no KV buffers in it: of the tail passes only the skinny-matmul rewrite applies).
-    head_only = [CutAtExit(target.structure, L)] + ([SkinnyMatmul(matmul)] if matmul is not None else [])
-    graphs.first = pm.run_all(head_only, target.capture(1), graph="first")
+    graphs.first = pm.run_all([CutAtExit(target.structure, L), *skinny_passes(matmul)], target.capture(1),
+                              graph="first")
     kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
     graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
                                         vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
