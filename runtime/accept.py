@@ -8,17 +8,36 @@ from __future__ import annotations
 
 import torch
 
+from specfx.runtime.tree import Tree, const
 
-def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification of `drafts` [B, k] against `target_logits` [B, k+1, V].
 
-    Returns (emitted [B, k+1], n [B]): n drafts were accepted and emitted[:, :n+1] are the
-    tokens to keep, the last of them the target's own (bonus) token. Because accepted drafts
-    equal the target's argmax, the emitted row is the argmax itself.
+def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
+                  tree: Tree | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Greedy verification of the drafts [B, N] of `tree` (default: a chain) against
+    `target_logits` [B, N+1, V] (row 0: the pending token's).
+
+    Returns (emitted [B, D+1], n [B], path): n drafts were accepted along the deepest
+    root-to-node path whose every token is the target's argmax after its parent (the first such
+    node in row order on ties), and emitted[:, :n+1] are the tokens to keep, the last of them the
+    target's own (bonus) token. Because accepted drafts equal the target's argmax, the emitted
+    row is the argmax along the path. `path` [B, D+1] holds the accepted path's rows by depth
+    (None for a chain, where it is rows 0..n).
     """
-    greedy = target_logits.argmax(-1)                               # [B, k+1]
-    n = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)         # [B]
-    return greedy, n
+    greedy = target_logits.argmax(-1)                               # [B, N+1]
+    tree = tree or Tree.chain(drafts.shape[1])
+    if tree.size == 0:
+        return greedy, greedy[:, 0] * 0, None
+    if tree.is_chain:
+        n = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)     # [B]
+        return greedy, n, None
+    match = drafts == greedy[:, const(greedy, tree.row_parents)]    # [B, N]: each node vs its parent's argmax
+    hit = torch.cat([torch.ones_like(match[:, :1]), match], 1)      # [B, N+1]: the pending token always
+    ancestors = const(greedy, tree.ancestors, torch.bool)          # [N+1, N+1]
+    on_path = (hit[:, None, :] | ~ancestors).all(-1)                # [B, N+1]: the whole path to row r holds
+    depth = torch.where(on_path, const(greedy, tree.depths), -1)
+    best = depth.argmax(-1)                                         # [B]: first deepest
+    path = const(greedy, tree.paths)[best]                          # [B, D+1]
+    return greedy.gather(1, path), depth.gather(1, best[:, None])[:, 0], path
 
 
 def commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n) -> None:

@@ -24,6 +24,7 @@ from specfx.runtime.accept import commit
 from specfx.runtime.sampling import filters_for
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 from specfx.runtime.step import propose
+from specfx.runtime.tree import Tree
 
 SPAN_ALIGN = 64      # attention spans are whole blocks of slots
 
@@ -272,7 +273,8 @@ class Runtime:
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
         width = next(n.meta["val"].shape[1] for n in inputs if n.name == "positions")
         pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
-        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos), "span": st.span}
+        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos), "span": st.span, "slots": pos,
+                  "visible": Tree.chain(width - 1).visibility(last[:, 0], kv[0].shape[2])}
         if exit_hidden is not None:
             values["exit_hidden"] = exit_hidden.expand(-1, width, -1).contiguous()
         args = []

@@ -21,6 +21,38 @@ STEP_INPUTS = ("tokens", "lengths", "max_lens", "done", "eos", "accept_hist",
                "uniforms", "noise", "temperature", "top_k", "top_p", "span")
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The state's KV list as named groups in order, e.g. `(("target", 24), ("head", 2),
+    ("history", 1))`: which buffers belong to whom, written once for a drafter and read by its
+    builder, its step and the runtime (each graph takes its groups as its last inputs)."""
+
+    groups: tuple[tuple[str, int], ...]
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.groups)
+
+    def slice(self, *names: str) -> slice:
+        """The span of `names`, which must be adjacent groups in this order (none: empty)."""
+        if not names:
+            return slice(0, 0)
+        starts, at = {}, 0
+        for name, n in self.groups:
+            starts[name], at = (at, at + n), at + n
+        missing = [n for n in names if n not in starts]
+        if missing:
+            raise KeyError(f"no KV group {missing} in {[g for g, _ in self.groups]}")
+        spans = [starts[n] for n in names]
+        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise ValueError(f"KV groups {names} are not adjacent in {[g for g, _ in self.groups]}")
+        return slice(spans[0][0], spans[-1][1])
+
+    def take(self, kv, *names: str) -> list:
+        """The buffers of `names` from `kv` (a list, or a traced step's list input)."""
+        s = self.slice(*names)
+        return [kv[i] for i in range(s.start, s.stop)]
+
+
 class CallerLock:
     """A lock for the static state: other threads wait; the holding thread calling again is
     refused (a streamer calling `generate` would overwrite the state its caller is using)."""

@@ -1,20 +1,25 @@
 """Step assembly: one decoding step as a module over the static state, ready to fuse.
 
-Each step module calls the captured graphs (as submodules), then the shared acceptance and
-state update, and returns nothing: all effects are in-place writes to the state tensors passed
-in. `trace_step(module)` turns it into an FX graph whose graph calls stay `call_module` nodes;
-the `fuse_spec_step` pass then inlines them into one flat graph.
+Every drafter runs the same step, `SpecStep`: its drafter makes a `Proposal` (draft tokens
+hanging off the pending token in a static `Tree`), the target verifies the pending token and
+the drafts in one pass, acceptance picks the accepted path (`greedy_accept`, or rejection
+sampling), the drafter updates what it keeps after verification, and `commit` writes the new
+tokens. The verify graph gets the rows' positions, the KV slots they write and the visibility
+mask as inputs (`Tree`): siblings share a position, never a slot. The step returns nothing: all
+effects are in-place writes to the state tensors passed in. `trace_step(module)` turns it into
+an FX graph whose graph calls stay `call_module` nodes; the `inline_graph_calls` pass then
+inlines them into one flat graph.
 
-- `DecodeStep`: plain static decoding (no speculation), one token per step.
-- `EarlyExitStep`: k early-exit drafts, verification of k+1 positions by layers >= E fed with
-  the drafts' exit hidden states, acceptance, bonus token.
-- `PromptLookupStep`: k drafts copied from an earlier n-gram match in the token buffer, verified
-  by the whole target in one pass of k+1 positions.
-- `DraftModelStep`: k drafts from a separate draft model advancing in unison with the target
+The drafters (each declares the KV groups its graphs read, see `runtime.state.KVLayout`):
+- `NoDrafter`: no drafts; the step is plain decoding, one token per step.
+- `EarlyExitDrafter`: k early-exit drafts; the verify graph is layers >= E fed with the drafts'
+  exit hidden states.
+- `LookupDrafter`: k drafts copied from an earlier n-gram match in the token buffer.
+- `DraftModelDrafter`: k drafts from a separate draft model advancing in unison with the target
   (same positions and lengths, its own KV), then its catch-up pass over the last draft.
-- `MTPStep`: k drafts from an MTP head fed by the target's final hidden states, verification
-  of k+1 tokens by the whole target (which also returns its hidden states), then the head's
-  refill over the verified positions. `MTPPrefill` fills the head's KV during prefill.
+- `MTPDrafter`: k drafts from an MTP head fed by the target's final hidden states; after
+  verification the head's refill over the verified positions. `MTPPrefill` fills the head's KV
+  during prefill.
 
 With `sample=True` (or the name of a `warp` variant, see `sampling.filters_for`) a step
 samples instead of taking the argmax: drafts are drawn from the drafter's warped distribution
@@ -24,12 +29,16 @@ numbers are step inputs, drawn by the runtime beforehand.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx, nn
 
 from specfx.runtime.accept import commit, greedy_accept
 from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
+from specfx.runtime.state import KVLayout
+from specfx.runtime.tree import Tree
 
 
 def _filters(sample) -> str:
@@ -45,139 +54,123 @@ def propose(logits, sample, noise, warping):
     return race(q, noise)[:, None], q
 
 
-def _offsets(last, k: int):
-    """0..k on `last`'s device (made in the step: a module buffer would stay on the CPU)."""
-    return torch.arange(k + 1, device=last.device)
+@dataclass
+class StepInputs:
+    """What a drafter reads in a step: the step's inputs, named, and the static settings."""
+
+    tokens: torch.Tensor               # [B, S]
+    last: torch.Tensor                 # [B]: the pending token's position
+    pending: torch.Tensor              # [B, 1]: the last known token, not yet in the KV cache
+    noise: torch.Tensor                # [B, N+1, V] (sampling)
+    warping: tuple                     # (temperature, top_k, top_p)
+    span: torch.Tensor
+    kv: list
+    layout: KVLayout
+    max_pos: int
+    sample: object
+
+    def group(self, *names: str) -> list:
+        return self.layout.take(self.kv, *names)
 
 
-def _verify(verify, tokens, last, drafts, k: int, max_pos: int, span, kv):
-    """The target over [pending token, drafts] at positions last..last+k: (its outputs, positions)."""
-    ids = torch.cat([tokens.gather(1, last[:, None]), drafts], 1)      # [B, k+1]
-    pos = (last[:, None] + _offsets(last, k)).clamp(max=max_pos)      # [B, k+1]
-    return verify(ids, pos, span, *kv), pos
+@dataclass
+class Proposal:
+    """A drafter's proposal: tokens [B, N] in the drafter's tree, their draft probabilities
+    q [B, N, V] when sampling (None when greedy), and what the verify graph reads in place of
+    token ids, when it is not the tokens (early exit: the exit hidden states [B, N+1, H])."""
+
+    tokens: torch.Tensor | None        # None: no drafts (N = 0)
+    q: torch.Tensor | None = None
+    verify_input: torch.Tensor | None = None
 
 
-def _accept(sample, drafts, q, target_logits, uniforms, noise, warping):
-    """(emitted, n): greedy acceptance, or rejection sampling against warp(target_logits)."""
-    if not sample:
-        return greedy_accept(drafts, target_logits)
-    return speculative_accept(drafts, q, warp(target_logits, *warping, filters=_filters(sample)), uniforms, noise)
+class Drafter(nn.Module):
+    """Makes a step's proposal; `tree` fixes its shape, `verify_kv` the KV groups of the
+    target rows that the verify graph reads."""
+
+    tree: Tree
+    verify_kv: tuple[str, ...] = ("target",)
+
+    def propose(self, s: StepInputs) -> Proposal:
+        raise NotImplementedError
+
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor) -> None:
+        """Update what the drafter keeps from the verify outputs `out` (default: nothing)."""
 
 
-class DecodeStep(nn.Module):
-    """No draft: the target decodes the pending token and appends its argmax."""
+class NoDrafter(Drafter):
+    """No drafts: the verify pass is the decode pass of the pending token alone."""
 
-    k = 0
+    tree = Tree.chain(0)
 
-    def __init__(self, target: fx.GraphModule, num_kv: int, max_pos: int, sample: bool = False):
+    def propose(self, s: StepInputs) -> Proposal:
+        return Proposal(None)
+
+
+class EarlyExitDrafter(Drafter):
+    """k drafts from the first E layers and the head attached there (KV group "early"); the
+    verify graph runs layers >= E (group "late") over the drafts' exit hidden states."""
+
+    verify_kv = ("late",)
+
+    def __init__(self, draft: fx.GraphModule, k: int):
         super().__init__()
-        self.target, self.num_kv, self.max_pos, self.sample = target, num_kv, max_pos, sample
+        self.draft, self.tree = draft, Tree.chain(k)
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, span, kv):
-        last = lengths - 1                                            # [B]
-        x = tokens.gather(1, last[:, None])                           # [B, 1]
-        logits = self.target(x, last[:, None], span, *[kv[i] for i in range(self.num_kv)])[0]
-        emitted = propose(logits[:, -1], self.sample, noise[:, 0], (temperature, top_k, top_p))[0]
-        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, lengths * 0)
-
-
-class EarlyExitStep(nn.Module):
-    """k early-exit drafts + verification by the remaining layers + acceptance."""
-
-    def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, exit_layer: int,
-                 num_layers: int, max_pos: int, sample: bool = False):
-        super().__init__()
-        self.draft, self.verify = draft, verify
-        self.k, self.exit_layer, self.num_layers, self.max_pos = k, exit_layer, num_layers, max_pos
-        self.sample = sample
-
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, span, kv):
-        split = 2 * self.exit_layer
-        kv_draft = [kv[i] for i in range(split)]
-        kv_verify = [kv[i] for i in range(split, 2 * self.num_layers)]
-        last = lengths - 1                                            # [B]
-        x = tokens.gather(1, last[:, None])                           # [B, 1]
-        warping = (temperature, top_k, top_p)
+    def propose(self, s: StepInputs) -> Proposal:
+        k, x = self.tree.size, s.pending
         hidden, drafts, qs = [], [], []
         # k+1 draft passes: the last one only computes the exit hidden state of draft k.
-        for j in range(self.k + 1):
-            pos = (last + j).clamp(max=self.max_pos)[:, None]         # [B, 1]
-            out = self.draft(x, pos, span, *kv_draft)
+        for j in range(k + 1):
+            pos = (s.last + j).clamp(max=s.max_pos)[:, None]          # [B, 1]
+            out = self.draft(x, pos, s.span, *s.group("early"))
             hidden.append(out[1])                                     # [B, 1, H]
-            if j < self.k:
-                x, q = propose(out[0][:, -1], self.sample, noise[:, j], warping)   # [B, 1], [B, V]
+            if j < k:
+                x, q = propose(out[0][:, -1], s.sample, s.noise[:, j], s.warping)   # [B, 1], [B, V]
                 drafts.append(x)
                 qs.append(q)
-        pos = (last[:, None] + _offsets(last, self.k)).clamp(max=self.max_pos)  # [B, k+1]
-        target_logits = self.verify(torch.cat(hidden, 1), pos, span, *kv_verify)[0]
-        emitted, n = _accept(self.sample, torch.cat(drafts, 1), torch.stack(qs, 1) if self.sample else None,
-                             target_logits, uniforms, noise[:, self.k], warping)
-        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+        return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None, torch.cat(hidden, 1))
 
 
-class PromptLookupStep(nn.Module):
-    """k drafts from n-gram lookup in the token buffer + one verification pass of k+1 tokens."""
+class LookupDrafter(Drafter):
+    """k drafts copied from an earlier n-gram match in the token buffer (one-hot q)."""
 
-    def __init__(self, target: fx.GraphModule, *, k: int, ngram: int, num_kv: int, max_pos: int,
-                 sample: bool = False):
+    def __init__(self, k: int, ngram: int, vocab_size: int):
         super().__init__()
-        self.target, self.k, self.ngram, self.num_kv, self.max_pos = target, k, ngram, num_kv, max_pos
-        self.sample = sample
+        self.tree, self.ngram, self.vocab_size = Tree.chain(k), ngram, vocab_size
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, span, kv):
-        last = lengths - 1                                            # [B]
-        drafts = ngram_propose(tokens, lengths, self.ngram, self.k)   # [B, k]
-        out, _ = _verify(self.target, tokens, last, drafts, self.k, self.max_pos, span,
-                         [kv[i] for i in range(self.num_kv)])
-        logits = out[0]                                               # [B, k+1, V]
-        # Deterministic drafts: q is one-hot.
-        q = (drafts[..., None] == torch.arange(logits.shape[-1], device=logits.device)).float() \
-            if self.sample else None
-        emitted, n = _accept(self.sample, drafts, q, logits, uniforms, noise[:, self.k],
-                             (temperature, top_k, top_p))
-        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+    def propose(self, s: StepInputs) -> Proposal:
+        drafts = ngram_propose(s.tokens, s.last + 1, self.ngram, self.tree.size)   # [B, k]
+        q = (drafts[..., None] == torch.arange(self.vocab_size, device=drafts.device)).float() \
+            if s.sample else None
+        return Proposal(drafts, q)
 
 
-class DraftModelStep(nn.Module):
-    """k drafts from a separate draft model (own KV), target verification of k+1 tokens."""
+class DraftModelDrafter(Drafter):
+    """k drafts from a separate draft model with its own KV (group "draft"), then a catch-up
+    pass that writes draft k into that KV."""
 
-    def __init__(self, draft: fx.GraphModule, verify: fx.GraphModule, *, k: int, num_kv_target: int,
-                 num_kv_draft: int, draft_vocab: int, target_vocab: int, max_pos: int, sample: bool = False):
+    def __init__(self, draft: fx.GraphModule, k: int, *, draft_vocab: int, target_vocab: int):
         super().__init__()
-        self.draft, self.verify, self.k, self.max_pos, self.sample = draft, verify, k, max_pos, sample
-        self.num_kv_target, self.num_kv_draft = num_kv_target, num_kv_draft
+        self.draft, self.tree = draft, Tree.chain(k)
         # Vocab sizes may differ by padding: drafts come from the shared part only.
         self.vocab, self.pad = min(draft_vocab, target_vocab), max(0, target_vocab - draft_vocab)
         self.max_draft_id = draft_vocab - 1
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, span, kv):
-        kv_target = [kv[i] for i in range(self.num_kv_target)]
-        kv_draft = [kv[i] for i in range(self.num_kv_target, self.num_kv_target + self.num_kv_draft)]
-        last = lengths - 1                                            # [B]
-        x = tokens.gather(1, last[:, None])                           # [B, 1]
-        warping = (temperature, top_k, top_p)
+    def propose(self, s: StepInputs) -> Proposal:
+        k, x = self.tree.size, s.pending
         drafts, qs = [], []
-        # k draft passes, then a catch-up pass that writes draft k into the draft's KV cache.
-        for j in range(self.k + 1):
-            pos = (last + j).clamp(max=self.max_pos)[:, None]
+        for j in range(k + 1):
+            pos = (s.last + j).clamp(max=s.max_pos)[:, None]
             # A target token past the draft's vocab (padding) must not index out of its embedding.
-            logits = self.draft(x.clamp(max=self.max_draft_id), pos, span, *kv_draft)[0][:, -1, : self.vocab]
-            if j == self.k:
+            logits = self.draft(x.clamp(max=self.max_draft_id), pos, s.span, *s.group("draft"))[0][:, -1, : self.vocab]
+            if j == k:
                 break
-            x, q = propose(logits, self.sample, noise[:, j, : self.vocab], warping)
+            x, q = propose(logits, s.sample, s.noise[:, j, : self.vocab], s.warping)
             drafts.append(x)
-            if self.sample:
+            if s.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
-        drafts = torch.cat(drafts, 1)                                 # [B, k]
-        target_logits = _verify(self.verify, tokens, last, drafts, self.k, self.max_pos, span,
-                                kv_target)[0][0]                      # [B, k+1, V]
-        emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
-                             target_logits, uniforms, noise[:, self.k], warping)
-        commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+        return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
 
 
 def head_positions(positions: torch.Tensor, trash: int) -> torch.Tensor:
@@ -201,76 +194,113 @@ def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torc
     history.scatter_(1, positions[:, :, None].expand(-1, -1, history.shape[-1]), hidden.to(history.dtype))
 
 
-class MTPStep(nn.Module):
-    """k drafts from an MTP head + verification of k+1 tokens by the target + the head's refill.
+class MTPDrafter(Drafter):
+    """k drafts from an MTP head, and its refill after verification.
 
-    State (`kv`): the target's KV, then the head's key and value buffers, then the history of
-    the target's final hidden states [B, S, H] (h_p written when position p is verified). Draft
-    1 reads h at the pending token's predecessor (zeros for a one-token row); drafts 2..k feed
-    the head its own output.
-    After acceptance the head re-runs over the k+1 verified positions with the target's hidden
-    states, so its KV holds what the target saw (the draft passes' entries are overwritten).
+    KV groups: the head's key and value buffers ("head"), and the history of the target's final
+    hidden states [B, S, H] ("history": h_p written when position p is verified). Draft 1 reads
+    h at the pending token's predecessor (zeros for a one-token row); drafts 2..k feed the head
+    its own output. After acceptance the head re-runs over the k+1 verified positions with the
+    target's hidden states, so its KV holds what the target saw (the draft passes' entries are
+    overwritten).
     """
 
-    def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, verify: fx.GraphModule, *, k: int,
-                 num_kv_target: int, max_pos: int, sample: bool = False, taps: int = 1,
+    def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, k: int, *, taps: int = 1,
                  combine: fx.GraphModule | None = None):
         super().__init__()
-        self.head, self.refill, self.verify, self.combine, self.taps = head, refill, verify, combine, taps
-        self.k, self.nt, self.max_pos, self.sample = k, num_kv_target, max_pos, sample
+        self.head, self.refill, self.combine, self.taps = head, refill, combine, taps
+        self.tree = Tree.chain(k)
 
-    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
-                uniforms, noise, temperature, top_k, top_p, span, kv):
-        kv_target = [kv[i] for i in range(self.nt)]
-        head_kv, history = (kv[self.nt], kv[self.nt + 1]), kv[self.nt + 2]
-        last = lengths - 1                                            # [B]
-        x = tokens.gather(1, last[:, None])                           # [B, 1]
-        warping = (temperature, top_k, top_p)
+    def propose(self, s: StepInputs) -> Proposal:
+        x, (history,) = s.pending, s.group("history")
         # A one-token row has no hidden state yet: draft 1 reads zeros at head position 0 and sees
-        # only its own entry there (never a stale one); the refill below rewrites slot 0.
-        first = (last - 1)[:, None]                                   # [B, 1]
+        # only its own entry there (never a stale one); the refill rewrites slot 0.
+        first = (s.last - 1)[:, None]                                 # [B, 1]
         h = _gather_hidden(history, first.clamp(min=0))               # [B, 1, H]
         h = torch.where(first[:, :, None] < 0, torch.zeros_like(h), h)
         drafts, qs = [], []
-        for j in range(self.k):
-            pos = (first + j).clamp(min=0, max=self.max_pos)
-            logits, h = self.head(x, h, pos, span, *head_kv)
-            x, q = propose(logits[:, -1], self.sample, noise[:, j], warping)
+        for j in range(self.tree.size):
+            pos = (first + j).clamp(min=0, max=s.max_pos)
+            logits, h = self.head(x, h, pos, s.span, *s.group("head"))
+            x, q = propose(logits[:, -1], s.sample, s.noise[:, j], s.warping)
             drafts.append(x)
             qs.append(q)
-        drafts = torch.cat(drafts, 1)                                 # [B, k]
-        out, pos = _verify(self.verify, tokens, last, drafts, self.k, self.max_pos, span, kv_target)
-        target_logits, hidden = out[0], _head_input(self.combine, out, 1, self.taps)  # [B, k+1, V], [B, k+1, H]
-        emitted, n = _accept(self.sample, drafts, torch.stack(qs, 1) if self.sample else None,
-                             target_logits, uniforms, noise[:, self.k], warping)
-        _scatter_hidden(history, pos, hidden)
+        return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
+
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor) -> None:
+        hidden = _head_input(self.combine, out, 1, self.taps)        # [B, k+1, H]
+        _scatter_hidden(s.group("history")[0], positions, hidden)
         # Refill: the token after position p is emitted[p - last] for every kept p.
-        self.refill(emitted, hidden, pos, span, *head_kv)
+        self.refill(emitted, hidden, positions, s.span, *s.group("head"))
+
+
+class SpecStep(nn.Module):
+    """One step of any drafter: propose, verify the pending token and the drafts in one target
+    pass, accept, let the drafter update, commit."""
+
+    def __init__(self, drafter: Drafter, verify: fx.GraphModule, *, layout: KVLayout, max_pos: int,
+                 cache_slots: int, sample=False):
+        super().__init__()
+        self.cache_slots = cache_slots                                # the KV buffers' slots: the mask's width
+        if sample and not drafter.tree.is_chain:
+            raise NotImplementedError("sampling over a draft tree is not supported yet; draft a chain")
+        self.drafter, self.verify, self.layout, self.max_pos, self.sample = drafter, verify, layout, max_pos, sample
+
+    @property
+    def k(self) -> int:
+        """Drafts per step."""
+        return self.drafter.tree.size
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, span, kv):
+        tree = self.drafter.tree
+        last = lengths - 1                                            # [B]
+        s = StepInputs(tokens, last, tokens.gather(1, last[:, None]), noise, (temperature, top_k, top_p), span,
+                       kv, self.layout, self.max_pos, self.sample)
+        p = self.drafter.propose(s)
+        ids = s.pending if p.tokens is None else torch.cat([s.pending, p.tokens], 1)   # [B, N+1]
+        pos = tree.positions(s.last).clamp(max=self.max_pos)         # [B, N+1]
+        slots = tree.slots(s.last).clamp(max=self.max_pos)
+        visible = tree.visibility(s.last, self.cache_slots)           # [B, 1, N+1, S+1]
+        out = self.verify(ids if p.verify_input is None else p.verify_input, pos, span, slots, visible,
+                          *s.group(*self.drafter.verify_kv))
+        emitted, n, _ = self._accept(p, out[0], uniforms, noise[:, tree.size], s.warping)
+        self.drafter.after_verify(s, out, pos, emitted)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
+
+    def _accept(self, p: Proposal, target_logits, uniforms, noise, warping):
+        """(emitted, n, path): greedy acceptance, or rejection sampling against warp(target_logits)."""
+        if not self.sample:
+            return greedy_accept(p.tokens, target_logits, self.drafter.tree)
+        target = warp(target_logits, *warping, filters=_filters(self.sample))   # [B, N+1, V]
+        if p.tokens is None:
+            token = race(target[:, 0], noise)[:, None]
+            return token, token[:, 0] * 0, None
+        return (*speculative_accept(p.tokens, p.q, target, uniforms, noise), None)
 
 
 class MTPPrefill(nn.Module):
     """The target's prefill, then the head's over the same chunk (its KV from h, shifted by one).
 
     `forward(input_ids [B, C], positions [B, C], span, *kv) -> (hidden,)` (the target's last
-    layer, as every prefill returns); `kv` as in `MTPStep`.
+    layer, as every prefill returns); `kv` the groups "target", "head", "history" of `layout`.
     Head position p reads (t_{p+1}, h_p): for this chunk's tokens at positions p+1 that is
     p = positions - 1, with h_{p} from the history (the previous chunk wrote the first one).
     """
 
-    def __init__(self, target: fx.GraphModule, head: fx.GraphModule, *, num_kv_target: int, max_pos: int,
+    def __init__(self, target: fx.GraphModule, head: fx.GraphModule, *, layout: KVLayout, max_pos: int,
                  taps: int = 1, combine: fx.GraphModule | None = None):
         super().__init__()
         self.target, self.head, self.combine, self.taps = target, head, combine, taps
-        self.nt, self.max_pos = num_kv_target, max_pos
+        self.layout, self.max_pos = layout, max_pos
 
     def forward(self, input_ids, positions, span, *kv):
-        out = self.target(input_ids, positions, span, *[kv[i] for i in range(self.nt)])
+        out = self.target(input_ids, positions, span, *self.layout.take(kv, "target"))
         hidden = _head_input(self.combine, out, 1, self.taps)
-        history = kv[self.nt + 2]
+        (history,) = self.layout.take(kv, "history")
         _scatter_hidden(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)
-        self.head(input_ids, _gather_hidden(history, hpos), hpos, span, kv[self.nt], kv[self.nt + 1])
+        self.head(input_ids, _gather_hidden(history, hpos), hpos, span, *self.layout.take(kv, "head"))
         return (out[0],)                                              # the target's last hidden state
 
 

@@ -4,7 +4,9 @@ While a model is captured (`bind(config, positions, span, reduce=...)`), its att
 call `attention` here instead of transformers' own implementation (registered as "specfx" in
 transformers' `AttentionInterface`). A query at position p sees cache slot s iff s <= p (and
 p - s < window on sliding-window layers, which transformers passes as `sliding_window`), so
-rejected drafts beyond a row's length are masked, never cropped.
+rejected drafts beyond a row's length are masked, never cropped. A verify graph may be given
+its mask instead (`bind(..., visible=...)`: a draft tree's rows see their ancestors' slots),
+still cut to the window.
 
 Only the first `span.shape[0]` slots are read. `span` is a graph input whose length is the
 one dynamic size of a captured graph: the runtime passes a length that covers every position
@@ -45,6 +47,7 @@ class _Bound:
     positions: torch.Tensor        # [B, W] long: each query's position
     span: torch.Tensor             # [L]: attention reads cache slots 0..L-1
     reduce: bool
+    visible: torch.Tensor | None   # [B, 1, W, S] bool, given: which slots each query sees
     calls: int = 0                 # attention calls so far (0 after a forward: the model bypasses us)
 
 
@@ -105,7 +108,14 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     b.calls += 1
     L = b.span.shape[0]
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    visible = visibility(b.positions, L, int(sliding_window or 0))
+    window = int(sliding_window or 0)
+    if b.visible is None:
+        visible = visibility(b.positions, L, window)
+    else:
+        visible = b.visible[..., :L]
+        if window:           # a tree's slots past a query's position are its own rows', inside any window
+            slots = torch.arange(L, device=b.positions.device)
+            visible = visible & (slots > b.positions[:, :, None] - window)[:, None]
     width = query.shape[2]
     reduce = b.reduce and isinstance(width, int) and width <= REDUCE_MAX_QUERIES
     out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce)
@@ -128,14 +138,16 @@ def _configs(config):
 
 
 @contextlib.contextmanager
-def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool):
-    """Within the block, attention of models with this config runs `attention` at these positions."""
+def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool,
+         visible: torch.Tensor | None = None):
+    """Within the block, attention of models with this config runs `attention` at these
+    positions (each query sees the slots up to its position, or those `visible` marks)."""
     _register()
     configs = list(_configs(config))
     saved = [c.__dict__.get(_IMPL, _UNSET) for c in configs]
     for c in configs:
         setattr(c, _IMPL, NAME)
-    bound = _Bound(positions, span, reduce)
+    bound = _Bound(positions, span, reduce, visible)
     _bound.append(bound)
     try:
         yield bound

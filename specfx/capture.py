@@ -118,13 +118,21 @@ class StaticDecoder(nn.Module):
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, kv_name("k", layer)), getattr(self, kv_name("v", layer))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, span: torch.Tensor,
+                slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `input_ids` [B, W] at `positions` [B, W], reading cache slots 0..len(span)-1.
+
+        By default query w writes its KV at slot `positions[:, w]` and sees the slots up to it;
+        a verify graph of a draft tree gets both explicitly: `slots` [B, W] to write and
+        `visible` [B, 1, W, kv_slots(max_seq_len)] bool (see `specfx.runtime.tree.Tree`).
+        """
         mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
-        with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention) as bound:
+        with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention,
+                            visible=visible) as bound:
             try:
                 out = self.model(
                     input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                    past_key_values=_ScatterCache(self, positions), use_cache=True,
+                    past_key_values=_ScatterCache(self, positions if slots is None else slots), use_cache=True,
                 )
             except Exception as e:
                 if not bound.calls:
@@ -154,16 +162,21 @@ class CapturedGraph:
 
 
 def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: int = 2048,
-            decoder: StaticDecoder | None = None, dynamic_width: bool = False) -> CapturedGraph:
+            decoder: StaticDecoder | None = None, dynamic_width: bool = False,
+            explicit_mask: bool = False) -> CapturedGraph:
     """`torch.export` the model at query width `width` into a plain GraphModule.
 
-    With `dynamic_width` the width is symbolic, 2..`width` (a prefill of any chunk size)."""
+    With `dynamic_width` the width is symbolic, 2..`width` (a prefill of any chunk size). With
+    `explicit_mask` the graph takes the KV slots to write and the visibility mask as inputs
+    (`forward(input_ids, positions, span, slots, visible)`, as a verify graph does)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
     device = decoder.kv(0)[0].device
     ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
     pos = static_positions(batch_size, width, device)
-    gm = export_graph(decoder, (ids, pos, example_span(max_seq_len, device)), span_arg=2,
-                      width_args=(0, 1) if dynamic_width else ())
+    args = (ids, pos, example_span(max_seq_len, device))
+    if explicit_mask:
+        args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
+    gm = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
     try:
         structure = find_structure(gm)
     except StructureError as e:

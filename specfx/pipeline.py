@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from specfx.capture import StaticDecoder, architecture, capture, example_span, export_graph, static_positions
+from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph, kv_slots,
+                            static_positions)
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
                            FuseSpecStep, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StructureError, StructureMap, TruncateAtExit, check_exit_layer)
-from specfx.runtime.state import StaticState
-from specfx.runtime.step import (DecodeStep, DraftModelStep, EarlyExitStep, MTPPrefill, MTPStep,
-                                 PromptLookupStep, trace_step)
+from specfx.runtime.state import KVLayout, StaticState
+from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
+                                 NoDrafter, SpecStep, trace_step)
 
 PREFILL_CHUNK = 64
 KV_ALIGN = 16                        # the KV length is a multiple of this
@@ -42,25 +43,46 @@ class Prefill:
 
 
 @dataclass
+class Part:
+    """A graph the step calls: what it reads of the state's KV list, and how often per step."""
+
+    gm: fx.GraphModule
+    kv: tuple[str, ...]              # its KV groups (`KVLayout`), its last inputs
+    draft_calls: int = 0             # calls per step spent drafting (0: not a draft graph)
+
+
+@dataclass
+class Drafting:
+    """What a drafter's builder returns: its KV layout, its graphs, and its step."""
+
+    layout: KVLayout
+    parts: dict[str, Part]           # draft / verify / refill / combine
+    make_step: Callable              # sample: False, True or a warp variant -> step module (before tracing)
+    prefills: list[Prefill]          # the target's (with any head it fills) first, then a draft model's
+    extra_kv: list = field(default_factory=list)   # buffers after the target's (head, history, draft model)
+
+
+@dataclass
 class Graphs:
     """Everything the runtime needs: graphs, state, and how they were built."""
 
     prefills: list[Prefill]          # the target's first, then a draft model's, if any
-    step: fx.GraphModule | None      # (tokens, lengths, ..., top_p, kv) -> ()
-    state: StaticState | None
+    step: fx.GraphModule             # (tokens, lengths, ..., top_p, span, kv) -> ()
+    unfused_step: fx.GraphModule     # the step before its graph calls are inlined
+    state: StaticState
     structure: StructureMap
-    k: int
+    k: int                           # drafts per step (0 without a drafter)
     drafter: object
     prefill_chunk: int
     max_seq_len: int
-    parts: dict[str, fx.GraphModule] = field(default_factory=dict)  # draft / verify / decode / refill
-    kv_slices: dict[str, slice] = field(default_factory=dict)        # part -> its slice of state.kv
-    draft_calls: dict[str, int] = field(default_factory=dict)        # part -> calls per step (drafting)
-    unfused_step: fx.GraphModule | None = None
-    records: list = field(default_factory=list)
-    make_step: Callable | None = None  # sample: False, True or a warp variant -> step module (before tracing)
-    sample_steps: dict[str, fx.GraphModule] = field(default_factory=dict)   # warp variant -> fused step
-    first: fx.GraphModule | None = None  # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
+    kv_layout: KVLayout
+    parts: dict[str, fx.GraphModule]          # draft / verify / refill / combine
+    kv_slices: dict[str, slice]               # part -> its slice of state.kv
+    draft_calls: dict[str, int]               # draft part -> calls per step
+    first: fx.GraphModule            # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
+    records: list
+    make_step: Callable              # sample: False, True or a warp variant -> step module (before tracing)
+    sample_steps: dict[str, fx.GraphModule] = field(default_factory=dict)   # warp variant -> fused step, on use
 
     @property
     def prefill(self) -> fx.GraphModule:
@@ -82,7 +104,7 @@ class Captured:
     structure: StructureMap
     decoder: StaticDecoder
     prefill: fx.GraphModule
-    capture: Callable[[int], fx.GraphModule]   # width -> captured graph (not yet rewritten)
+    capture: Callable[..., fx.GraphModule]   # (width, explicit_mask=False) -> captured graph, not yet rewritten
 
     @property
     def kv(self) -> list:
@@ -93,20 +115,33 @@ class Captured:
 class BuildContext:
     """What a drafter's builder gets."""
 
-    graphs: Graphs
     pm: PassManager
     target: Captured
     drafter: object
     k: int
     seq_len: int
     batch_size: int
+    prefill_chunk: int
     model: object
     matmul: Callable | None = None                 # skinny_matmul's choice; None: pass off
-    extra_kv: list = field(default_factory=list)   # KV buffers of a draft model, after the target's
 
     def tail(self) -> list[Pass]:
         """The passes that end every graph the runtime runs."""
         return tail_passes(self.matmul)
+
+    @property
+    def max_pos(self) -> int:
+        return self.seq_len - 1
+
+    def verify(self, passes: list[Pass] = (), *, drafts: int | None = None, name: str = "verify") -> fx.GraphModule:
+        """The target over the pending token and `drafts` (default k) drafts, given the KV slots
+        and the mask (see `SpecStep`)."""
+        width = (self.k if drafts is None else drafts) + 1
+        return self.pm.run_all([*passes, *self.tail()], self.target.capture(width, explicit_mask=True), graph=name)
+
+    def target_prefill(self, layout: KVLayout, *groups: str) -> Prefill:
+        """The target's prefill graph, writing the KV `groups` (default: "target") of `layout`."""
+        return Prefill("prefill", self.target.prefill, layout.slice(*(groups or ("target",))))
 
 
 def tail_passes(matmul) -> list[Pass]:
@@ -135,14 +170,21 @@ def capture_model(pm: PassManager, model, *, name: str, batch_size: int, seq_len
     fills the KV cache), and map the model's structure on a one-token graph, whose node names
     the graphs of the other static widths share."""
     decoder = StaticDecoder(model, batch_size, seq_len)
-    cap = lambda width, dynamic=False: capture(model, width=width, batch_size=batch_size,  # noqa: E731
-                                               max_seq_len=seq_len, decoder=decoder, dynamic_width=dynamic).gm
+
+    def cap(width: int, explicit_mask: bool = False, dynamic: bool = False) -> fx.GraphModule:
+        return capture(model, width=width, batch_size=batch_size, max_seq_len=seq_len, decoder=decoder,
+                       dynamic_width=dynamic, explicit_mask=explicit_mask).gm
+
     spare = {1: cap(1)}                  # the drafters' builders take it
     structure = pm.run(FindStructure(), spare[1], graph=f"{name} (width 1)").info["structure"]
-    gm = cap(chunk, True)
+    gm = cap(chunk, dynamic=True)
     own = pm.run(FindStructure(), gm, graph=name).info["structure"]
     gm = pm.run_all([TruncateAtExit(own, own.num_layers, keep_head=False), *tail_passes(matmul)], gm, graph=name)
-    return Captured(structure, decoder, gm, lambda width: spare.pop(width) if width in spare else cap(width))
+
+    def take(width: int, explicit_mask: bool = False) -> fx.GraphModule:
+        return spare.pop(width) if (width, explicit_mask) == (1, False) and width in spare else cap(width, explicit_mask)
+
+    return Captured(structure, decoder, gm, take)
 
 
 def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
@@ -169,28 +211,30 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk,
                            matmul=matmul)
     L = target.structure.num_layers
-    graphs = Graphs(prefills=[Prefill("prefill", target.prefill, slice(0, 2 * L))], step=None, state=None,
-                    structure=target.structure, k=k, drafter=drafter, prefill_chunk=chunk,
-                    max_seq_len=max_seq_len)
-    ctx = BuildContext(graphs, pm, target, drafter, k, seq_len, batch_size, model, matmul)
+    ctx = BuildContext(pm, target, drafter, k, seq_len, batch_size, chunk, model, matmul)
     try:
-        graphs.make_step, k_eff = builder(ctx)
+        drafting = builder(ctx)
     except PassError as e:
         if isinstance(e.__cause__, StructureError):   # a part the drafter needs: the user's to act on
             raise StructureError(f"{architecture(model)}, drafter {drafter}: {e.__cause__}") from e
         raise
     # The first new token comes from the prefill's last hidden state, through the head alone
     # (no KV buffers in it: of the tail passes only the skinny-matmul rewrite applies).
-    graphs.first = pm.run_all([CutAtExit(target.structure, L), *skinny_passes(matmul)], target.capture(1),
-                              graph="first")
-    kv = target.kv + ctx.extra_kv   # the buffers the graphs were captured with: no second copy
-    graphs.state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=k_eff,
-                                        vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
-    graphs.k = k_eff
-    graphs.unfused_step = trace_step(graphs.make_step(False))
-    graphs.step = fuse_step(pm, graphs.make_step(False), graph="step")
-    graphs.records = pm.records
-    return graphs
+    first = pm.run_all([CutAtExit(target.structure, L), *skinny_passes(matmul)], target.capture(1), graph="first")
+    kv = target.kv + drafting.extra_kv   # the buffers the graphs were captured with: no second copy
+    if len(kv) != len(drafting.layout):
+        raise AssertionError(f"{drafter}: {len(kv)} KV buffers, layout {drafting.layout.groups}")
+    step = drafting.make_step(False)
+    state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=step.k,
+                                 vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
+    parts = drafting.parts
+    return Graphs(
+        prefills=drafting.prefills, step=fuse_step(pm, step, graph="step"), unfused_step=trace_step(step),
+        state=state, structure=target.structure, k=step.k, drafter=drafter, prefill_chunk=chunk,
+        max_seq_len=max_seq_len, kv_layout=drafting.layout, parts={n: p.gm for n, p in parts.items()},
+        kv_slices={n: drafting.layout.slice(*p.kv) for n, p in parts.items()},
+        draft_calls={n: p.draft_calls for n, p in parts.items() if p.draft_calls}, first=first,
+        records=pm.records, make_step=drafting.make_step)
 
 
 def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
@@ -202,41 +246,45 @@ def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
     return fused
 
 
+def _spec_step(ctx: BuildContext, drafter_for: Callable, verify: fx.GraphModule, layout: KVLayout) -> Callable:
+    """sample -> the step module of a fresh drafter (`drafter_for()`) and the verify graph."""
+    return lambda sample: SpecStep(drafter_for(), verify, layout=layout, max_pos=ctx.max_pos,
+                                    cache_slots=kv_slots(ctx.seq_len), sample=sample)
+
+
 @register(NoDraft)
-def _build_none(ctx: BuildContext):
-    decode = ctx.pm.run_all(ctx.tail(), ctx.target.capture(1), graph="decode")
-    ctx.graphs.parts["decode"] = decode
-    num_kv = 2 * ctx.target.structure.num_layers
-    ctx.graphs.kv_slices["decode"] = slice(0, num_kv)
-    return lambda sample: DecodeStep(decode, num_kv=num_kv, max_pos=ctx.seq_len - 1, sample=sample), 0
+def _build_none(ctx: BuildContext) -> Drafting:
+    layout = KVLayout((("target", 2 * ctx.target.structure.num_layers),))
+    decode = ctx.verify(drafts=0, name="decode")     # the verify pass of the pending token alone
+    return Drafting(layout, {"decode": Part(decode, ("target",))}, _spec_step(ctx, NoDrafter, decode, layout),
+                    [ctx.target_prefill(layout)])
 
 
 @register(EarlyExit)
-def _build_early_exit(ctx: BuildContext):
+def _build_early_exit(ctx: BuildContext) -> Drafting:
     s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
+    layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
     draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), *ctx.tail()], ctx.target.capture(1),
                        graph="draft")
-    verify = pm.run_all([CutAtExit(s, E), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
-    ctx.graphs.parts.update(draft=draft, verify=verify)
-    ctx.graphs.kv_slices.update(draft=slice(0, 2 * E), verify=slice(2 * E, 2 * s.num_layers))
-    ctx.graphs.draft_calls["draft"] = k + 1     # k drafts and the pass that writes the last one's KV
-    return lambda sample: EarlyExitStep(draft, verify, k=k, exit_layer=E, num_layers=s.num_layers,
-                                        max_pos=ctx.seq_len - 1, sample=sample), k
+    verify = ctx.verify([CutAtExit(s, E)])
+    # k drafts and the pass that writes the last one's KV.
+    parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
+    return Drafting(layout, parts, _spec_step(ctx, lambda: EarlyExitDrafter(draft, k), verify, layout),
+                    [ctx.target_prefill(layout, "early", "late")])
 
 
 @register(PromptLookup)
-def _build_prompt_lookup(ctx: BuildContext):
-    verify = ctx.pm.run_all(ctx.tail(), ctx.target.capture(ctx.k + 1), graph="verify")
-    ctx.graphs.parts["verify"] = verify
-    num_kv = 2 * ctx.target.structure.num_layers
-    ctx.graphs.kv_slices["verify"] = slice(0, num_kv)
-    return lambda sample: PromptLookupStep(verify, k=ctx.k, ngram=ctx.drafter.ngram, num_kv=num_kv,
-                                           max_pos=ctx.seq_len - 1, sample=sample), ctx.k
+def _build_prompt_lookup(ctx: BuildContext) -> Drafting:
+    layout = KVLayout((("target", 2 * ctx.target.structure.num_layers),))
+    verify = ctx.verify()
+    make = lambda: LookupDrafter(ctx.k, ctx.drafter.ngram, ctx.target.structure.vocab_size)  # noqa: E731
+    return Drafting(layout, {"verify": Part(verify, ("target",))}, _spec_step(ctx, make, verify, layout),
+                    [ctx.target_prefill(layout)])
 
 
 @register(MTPHead)
-def _build_mtp(ctx: BuildContext):
+def _build_mtp(ctx: BuildContext) -> Drafting:
     from specfx.mtp import Combine, StaticHead, target_parts
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
@@ -247,6 +295,7 @@ def _build_mtp(ctx: BuildContext):
     param = next(model.parameters())
     hidden_size, taps = head.hidden_size, head.taps(s.num_layers)
     combiner = head.combiner(target_parts(model))
+    layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1)))
 
     def cap(width: int, name: str, logits: bool = False, dynamic: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
@@ -267,42 +316,41 @@ def _build_mtp(ctx: BuildContext):
 
     attach = lambda: AttachMTPHead(s, head_hidden_size=hidden_size, taps=taps)  # noqa: E731
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
-    verify = pm.run_all([attach(), *ctx.tail()], ctx.target.capture(k + 1), graph="verify")
-    target_prefill = pm.run(attach(), ctx.graphs.prefill, graph="prefill").graph_module
-    nt = 2 * s.num_layers
+    verify = ctx.verify([attach()])
+    target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module
     history = torch.zeros(ctx.batch_size, ctx.seq_len, hidden_size, dtype=param.dtype, device=param.device)
-    ctx.extra_kv.extend([*static.kv(), history])
-    prefill = MTPPrefill(target_prefill, cap(ctx.graphs.prefill_chunk, "head_prefill", dynamic=True),
-                         num_kv_target=nt, max_pos=ctx.seq_len - 1, taps=len(taps),
-                         combine=cap_combine(ctx.graphs.prefill_chunk, "combine_prefill", dynamic=True))
-    ctx.graphs.prefills[0] = Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), slice(0, nt + 3))
+    prefill = MTPPrefill(target_prefill, cap(ctx.prefill_chunk, "head_prefill", dynamic=True), layout=layout,
+                         max_pos=ctx.max_pos, taps=len(taps),
+                         combine=cap_combine(ctx.prefill_chunk, "combine_prefill", dynamic=True))
     combine = cap_combine(k + 1, "combine")
-    ctx.graphs.parts.update(draft=draft, refill=refill, verify=verify, **({"combine": combine} if combine else {}))
-    ctx.graphs.kv_slices.update(draft=slice(nt, nt + 2), refill=slice(nt, nt + 2), verify=slice(0, nt))
-    ctx.graphs.draft_calls.update(draft=k, refill=1)
-    return lambda sample: MTPStep(draft, refill, verify, k=k, num_kv_target=nt, max_pos=ctx.seq_len - 1,
-                                  sample=sample, taps=len(taps), combine=combine), k
+    parts = {"draft": Part(draft, ("head",), draft_calls=k), "refill": Part(refill, ("head",), draft_calls=1),
+             "verify": Part(verify, ("target",))}
+    if combine is not None:
+        parts["combine"] = Part(combine, ())
+    make = lambda: MTPDrafter(draft, refill, k, taps=len(taps), combine=combine)  # noqa: E731
+    return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
+                    [Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), layout.slice("target", "head", "history"))],
+                    extra_kv=[*static.kv(), history])
 
 
 @register(DraftModel)
-def _build_draft_model(ctx: BuildContext):
+def _build_draft_model(ctx: BuildContext) -> Drafting:
     draft_model = ctx.drafter.load(like=ctx.model)
     check_same_tokenizer(ctx.model, draft_model)
     if ctx.matmul is not None:
         ctx.matmul.include(draft_model.parameters())
     d = capture_model(ctx.pm, draft_model, name="draft_prefill", batch_size=ctx.batch_size,
-                      seq_len=ctx.seq_len, chunk=ctx.graphs.prefill_chunk, matmul=ctx.matmul)
+                      seq_len=ctx.seq_len, chunk=ctx.prefill_chunk, matmul=ctx.matmul)
+    layout = KVLayout((("target", 2 * ctx.target.structure.num_layers), ("draft", 2 * d.structure.num_layers)))
     draft = ctx.pm.run_all(ctx.tail(), d.capture(1), graph="draft")
-    verify = ctx.pm.run_all(ctx.tail(), ctx.target.capture(ctx.k + 1), graph="verify")
-    nt, nd = 2 * ctx.target.structure.num_layers, 2 * d.structure.num_layers
-    ctx.graphs.prefills.append(Prefill("draft_prefill", d.prefill, slice(nt, nt + nd)))
-    ctx.extra_kv.extend(d.kv)
-    ctx.graphs.parts.update(draft=draft, verify=verify)
-    ctx.graphs.kv_slices.update(draft=slice(nt, nt + nd), verify=slice(0, nt))
-    ctx.graphs.draft_calls["draft"] = ctx.k + 1  # k drafts and the catch-up pass
-    return lambda sample: DraftModelStep(
-        draft, verify, k=ctx.k, num_kv_target=nt, num_kv_draft=nd, draft_vocab=d.structure.vocab_size,
-        target_vocab=ctx.target.structure.vocab_size, max_pos=ctx.seq_len - 1, sample=sample), ctx.k
+    verify = ctx.verify()
+    # k drafts and the catch-up pass.
+    parts = {"draft": Part(draft, ("draft",), draft_calls=ctx.k + 1), "verify": Part(verify, ("target",))}
+    make = lambda: DraftModelDrafter(draft, ctx.k, draft_vocab=d.structure.vocab_size,  # noqa: E731
+                                     target_vocab=ctx.target.structure.vocab_size)
+    return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
+                    [ctx.target_prefill(layout), Prefill("draft_prefill", d.prefill, layout.slice("draft"))],
+                    extra_kv=d.kv)
 
 
 def resolve_drafter(model, drafter):

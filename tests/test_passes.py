@@ -114,7 +114,7 @@ def test_share_kv_buffers(setup):
     assert not ShareKVBuffers()(gm).modified
 
 
-@pytest.mark.parametrize("draft, calls", [("early-exit:2", ["draft"] * 4 + ["verify"]), ("ngram:2", ["target"])])
+@pytest.mark.parametrize("draft, calls", [("early-exit:2", ["drafter.draft"] * 4 + ["verify"]), ("ngram:2", ["verify"])])
 def test_fuse_spec_step_inlines_calls_and_keeps_numerics(draft, calls):
     import specfx
 
