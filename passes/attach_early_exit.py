@@ -6,18 +6,24 @@ from torch import fx
 
 from specfx.passes.find_structure import StructureMap
 from specfx.passes.graph_utils import copy_nodes, finish, node_named, output_node, set_outputs
-from specfx.passes.infra import Pass, PassResult
+from specfx.passes.infra import Pass, PassOrderError, PassResult, structure_of
 
 
 class AttachEarlyExit(Pass):
     """Copy the final norm and lm_head onto the residual output of layer E (exit logits)."""
 
-    def __init__(self, structure: StructureMap, exit_layer: int):
-        check_exit_layer(structure, exit_layer)
-        self.structure, self.exit_layer = structure, exit_layer
+    def __init__(self, exit_layer: int):
+        self.exit_layer = exit_layer
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        check_exit_layer(structure_of(gm), self.exit_layer)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if not gm.meta.get("exit_logits"):
+            raise PassOrderError("no exit logits after attach_early_exit")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        s = self.structure
+        s = structure_of(gm)
         if gm.meta.get("exit_logits"):
             return PassResult(gm, False, f"an early exit is already attached ({gm.meta['exit_logits']})")
         last = node_named(gm, s.layer_outputs[-1])

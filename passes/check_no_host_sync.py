@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specfx.passes.infra import Pass, PassResult
+from specfx.passes.infra import Pass, PassOrderError, PassResult
 
 aten = torch.ops.aten
 # Ops that read a device value on the host, or whose output shape depends on data.
@@ -25,6 +25,13 @@ class CheckNoHostSync(Pass):
     """Analysis: list ops that sync the host (.item, nonzero, bool-mask indexing, ...)."""
 
     kind = "analysis"
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        from specfx.passes.inline_graph_calls import graph_calls
+
+        if graph_calls(gm):     # their ops are not in this graph: a sync inside them would go unseen
+            raise PassOrderError(f"the graph still calls captured graphs {[n.target for n in graph_calls(gm)]}: "
+                                 "run inline_graph_calls first")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         bad = find_host_syncs(gm)

@@ -210,10 +210,12 @@ def _first_module(head: list[fx.Node], exclude: str) -> str | None:
 
 
 class FindStructure(Pass):
-    """Analysis: map decoder stack, residual outputs, norm, lm_head, embedding and KV buffers."""
+    """Analysis: map decoder stack, residual outputs, norm, lm_head, embedding and KV buffers
+    (kept in `gm.meta["structure"]`, where the structural passes read it)."""
 
     kind = "analysis"
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         structure = find_structure(gm)
+        gm.meta["structure"] = structure
         return PassResult(gm, False, "analysis", info={"structure": structure})

@@ -2,7 +2,10 @@
 
 A pass is a callable class with a one-line docstring, a `kind` ("analysis" or "rewrite") and
 `call(gm) -> PassResult`. A rewrite that did not fire returns `PassResult(gm, False, reason)`,
-so `specfx inspect` can say why. The PassManager times each pass, counts the nodes it added
+so `specfx inspect` can say why. Order between passes is checked, not described: a pass's
+`requires(gm)` raises `PassOrderError` when the graph lacks what an earlier pass provides (its
+StructureMap, an attached exit), and `ensures(gm)` checks what the pass promises after it ran
+(as torch.fx's `PassBase` does). The PassManager times each pass, counts the nodes it added
 and removed, and names the failing pass (and those that ran before it) when one raises.
 """
 
@@ -44,11 +47,33 @@ class Pass:
     def summary(cls) -> str:
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
 
+    def requires(self, gm: fx.GraphModule) -> None:
+        """Raise `PassOrderError` (or `ValueError` for a bad argument) if `gm` cannot take this pass."""
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """Raise `PassOrderError` if the result breaks what this pass promises."""
+
     def call(self, gm: fx.GraphModule) -> PassResult:
         raise NotImplementedError
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
-        return self.call(gm)
+        self.requires(gm)
+        result = self.call(gm)
+        self.ensures(result.graph_module)
+        return result
+
+
+class PassOrderError(RuntimeError):
+    """A pass ran on a graph that lacks what an earlier pass provides, or broke its promise."""
+
+
+def structure_of(gm: fx.GraphModule):
+    """The graph's own StructureMap (`find_structure` puts it in `gm.meta`, and `capture` maps
+    every graph it exports): passes look nodes up by the names of the graph they rewrite."""
+    structure = gm.meta.get("structure")
+    if structure is None:
+        raise PassOrderError("the graph has no StructureMap: run find_structure on it first")
+    return structure
 
 
 @dataclass

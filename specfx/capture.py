@@ -181,6 +181,7 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
         structure = find_structure(gm)
     except StructureError as e:
         raise StructureError(f"{architecture(model)}: {e}") from e
+    gm.meta["structure"] = structure          # each graph is mapped itself: passes read this one
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
 
 

@@ -5,7 +5,7 @@ Each layout is a module with the interface `specfx.mtp.StaticHead` runs (the one
 buffer, as a head trained here:
 
 - `taps(num_layers)`: the target layers whose outputs (residual stream, before the final norm)
-  the head reads; the verify and prefill graphs return them (`passes.AttachMTPHead`);
+  the head reads; the verify and prefill graphs return them (`passes.ExposeHidden`);
 - `combiner(parts)`: a module mapping those outputs, concatenated, to the h the head's first
   draft reads (None: h is the one tap itself); later drafts read the head's own output g;
 - `forward(embeds, hidden, ...) -> g` and `logits(parts, g)` over the target's vocabulary;

@@ -312,6 +312,11 @@ class StaticHead(nn.Module):
     def kv(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, kv_name("k", 0)), getattr(self, kv_name("v", 0))
 
+    @staticmethod
+    def kv_names() -> list[str]:
+        """The head's KV buffers, as its graphs name them (`passes.ShareKVBuffers`)."""
+        return [kv_name("k", 0), kv_name("v", 0)]
+
     def forward(self, input_ids, hidden, positions, span):
         embeds = self.embed(input_ids)
         with attention.bind(self.config, positions, span, reduce=self.reduce_attention):
@@ -350,7 +355,7 @@ def final_hidden(target: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 def layer_outputs(target: nn.Module, input_ids: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
     """The residual-stream outputs [B, T, H] of the target's decoder `layers` (indices, in that
-    order): what the verify graph returns for a head that taps them (`AttachMTPHead`)."""
+    order): what the verify graph returns for a head that taps them (`passes.ExposeHidden`)."""
     stack, seen = target_parts(target).layers, {}
 
     def keep(i):

@@ -18,8 +18,8 @@ from specfx.capture import (StaticDecoder, architecture, capture, example_span, 
                             static_positions)
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
-from specfx.passes import (AttachEarlyExit, AttachMTPHead, CheckNoHostSync, CutAtExit, FindStructure,
-                           FuseSpecStep, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
+from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
+                           InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StructureError, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
@@ -125,9 +125,10 @@ class BuildContext:
     model: object
     matmul: Callable | None = None                 # skinny_matmul's choice; None: pass off
 
-    def tail(self) -> list[Pass]:
-        """The passes that end every graph the runtime runs."""
-        return tail_passes(self.matmul)
+    def tail(self, buffers: list[str] | None = None) -> list[Pass]:
+        """The passes that end every graph the runtime runs (`buffers`: its KV buffers' names,
+        for a graph without a StructureMap)."""
+        return tail_passes(self.matmul, buffers)
 
     @property
     def max_pos(self) -> int:
@@ -144,9 +145,9 @@ class BuildContext:
         return Prefill("prefill", self.target.prefill, layout.slice(*(groups or ("target",))))
 
 
-def tail_passes(matmul) -> list[Pass]:
+def tail_passes(matmul, buffers: list[str] | None = None) -> list[Pass]:
     """KV buffers as inputs, then (with a measured plan) the skinny-matmul rewrite."""
-    return [ShareKVBuffers(), *skinny_passes(matmul)]
+    return [ShareKVBuffers(buffers), *skinny_passes(matmul)]
 
 
 def skinny_passes(matmul) -> list[Pass]:
@@ -177,9 +178,7 @@ def capture_model(pm: PassManager, model, *, name: str, batch_size: int, seq_len
 
     spare = {1: cap(1)}                  # the drafters' builders take it
     structure = pm.run(FindStructure(), spare[1], graph=f"{name} (width 1)").info["structure"]
-    gm = cap(chunk, dynamic=True)
-    own = pm.run(FindStructure(), gm, graph=name).info["structure"]
-    gm = pm.run_all([TruncateAtExit(own, own.num_layers, keep_head=False), *tail_passes(matmul)], gm, graph=name)
+    gm = pm.run_all([FindStructure(), DropHead(), *tail_passes(matmul)], cap(chunk, dynamic=True), graph=name)
 
     def take(width: int, explicit_mask: bool = False) -> fx.GraphModule:
         return spare.pop(width) if (width, explicit_mask) == (1, False) and width in spare else cap(width, explicit_mask)
@@ -220,7 +219,7 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         raise
     # The first new token comes from the prefill's last hidden state, through the head alone
     # (no KV buffers in it: of the tail passes only the skinny-matmul rewrite applies).
-    first = pm.run_all([CutAtExit(target.structure, L), *skinny_passes(matmul)], target.capture(1), graph="first")
+    first = pm.run_all([CutAtExit(L), *skinny_passes(matmul)], target.capture(1), graph="first")
     kv = target.kv + drafting.extra_kv   # the buffers the graphs were captured with: no second copy
     if len(kv) != len(drafting.layout):
         raise AssertionError(f"{drafter}: {len(kv)} KV buffers, layout {drafting.layout.groups}")
@@ -239,7 +238,7 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
 
 def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
     """Trace a step module, inline its graph calls, and refuse it if it would sync the host."""
-    fused = pm.run(FuseSpecStep(), trace_step(step_module), graph=graph).graph_module
+    fused = pm.run(InlineGraphCalls(), trace_step(step_module), graph=graph).graph_module
     syncs = pm.run(CheckNoHostSync(), fused, graph=graph).info["host_syncs"]
     if syncs:
         raise HostSyncError("the fused step would sync the host: " + ", ".join(syncs))
@@ -265,9 +264,8 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
-    draft = pm.run_all([AttachEarlyExit(s, E), TruncateAtExit(s, E), *ctx.tail()], ctx.target.capture(1),
-                       graph="draft")
-    verify = ctx.verify([CutAtExit(s, E)])
+    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *ctx.tail()], ctx.target.capture(1), graph="draft")
+    verify = ctx.verify([CutAtExit(E)])
     # k drafts and the pass that writes the last one's KV.
     parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
     return Drafting(layout, parts, _spec_step(ctx, lambda: EarlyExitDrafter(draft, k), verify, layout),
@@ -304,7 +302,7 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
         args = (ids, hidden, static_positions(B, width, param.device), example_span(ctx.seq_len, param.device))
         gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
-        return pm.run_all(ctx.tail(), gm, graph=name)
+        return pm.run_all(ctx.tail(static.kv_names()), gm, graph=name)
 
     def cap_combine(width: int, name: str, dynamic: bool = False) -> fx.GraphModule | None:
         if combiner is None:
@@ -312,9 +310,9 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         features = torch.zeros(ctx.batch_size, width, len(taps) * s.hidden_size, dtype=param.dtype,
                                device=param.device)
         gm = export_graph(Combine(combiner), (features,), width_args=(0,) if dynamic else ())
-        return pm.run_all(ctx.tail(), gm, graph=name)
+        return pm.run_all(skinny_passes(ctx.matmul), gm, graph=name)
 
-    attach = lambda: AttachMTPHead(s, head_hidden_size=hidden_size, taps=taps)  # noqa: E731
+    attach = lambda: ExposeHidden(head_hidden_size=hidden_size, taps=taps)  # noqa: E731
     draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
     verify = ctx.verify([attach()])
     target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module

@@ -12,7 +12,7 @@ from helpers import ARCHS, assert_greedy_equal, hf_greedy, span, tiny_model, unp
 from specfx.capture import capture
 from specfx.mtp import final_hidden, load_head, new_head, save_head, target_parts
 from specfx.mtp_train import MTPTrainConfig, evaluate_head, train_head
-from specfx.passes import AttachMTPHead, find_host_syncs
+from specfx.passes import ExposeHidden, find_host_syncs
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +36,11 @@ def _saved(tmp_path, model, head=None):
     return path
 
 
-def test_attach_mtp_head_exposes_the_final_hidden_state():
+def test_expose_hidden_exposes_the_final_hidden_state():
     model = tiny_model("llama", layers=3)
     cg = capture(model, width=4, max_seq_len=32)
     before = len(next(n for n in cg.gm.graph.nodes if n.op == "output").args[0])
-    res = AttachMTPHead(cg.structure, head_hidden_size=64)(cg.gm)
+    res = ExposeHidden(head_hidden_size=64)(cg.gm)
     assert res.modified and before == 1
     ids = torch.randint(3, 96, (1, 4))
     with torch.no_grad():
@@ -48,14 +48,14 @@ def test_attach_mtp_head_exposes_the_final_hidden_state():
         ref_logits = model(ids).logits
     assert torch.allclose(logits, ref_logits, atol=1e-4)
     assert torch.allclose(hidden, final_hidden(model, ids), atol=1e-4)
-    again = AttachMTPHead(cg.structure, head_hidden_size=64)(res.graph_module)
+    again = ExposeHidden(head_hidden_size=64)(res.graph_module)
     assert not again.modified and "already" in again.reason
 
 
-def test_attach_mtp_head_refuses_a_head_of_another_size():
+def test_expose_hidden_refuses_a_head_of_another_size():
     cg = capture(tiny_model("llama", layers=2), width=2, max_seq_len=16)
     with pytest.raises(ValueError, match="hidden states of size 32, the model's are 64"):
-        AttachMTPHead(cg.structure, head_hidden_size=32)
+        ExposeHidden(head_hidden_size=32)(cg.gm)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -275,7 +275,7 @@ def test_inspect_reports_the_mtp_pipeline(tmp_path):
 
     model = tiny_model("llama", layers=2, seed=3)
     report = inspect_model(model, specfx.MTPHead(_saved(tmp_path, model)), k=2, max_seq_len=32).to_dict()
-    attach = [p for p in report["passes"] if p["name"] == "attach_mtp_head"]
+    attach = [p for p in report["passes"] if p["name"] == "expose_hidden"]
     assert [p["graph"] for p in attach] == ["verify", "prefill"] and all(p["modified"] for p in attach)
     assert report["step"]["host_syncs"] == [] and report["step"]["graph_breaks"] == 0
     assert report["drafter"].startswith("mtp:")

@@ -8,9 +8,10 @@ from torch import fx
 
 from helpers import span, tiny_model
 from specfx.capture import capture, kv_shape
-from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, FuseSpecStep,
-                           PassError, PassManager, ShareKVBuffers, TruncateAtExit, find_host_syncs)
+from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, InlineGraphCalls,
+                           PassError, PassManager, PassOrderError, ShareKVBuffers, TruncateAtExit, find_host_syncs)
 from specfx.passes.find_structure import layer_index
+from specfx.runtime.step import trace_step
 
 L, W, S = 4, 3, 32
 
@@ -42,14 +43,14 @@ def test_attach_early_exit(setup, E):
     model, ids, pos, hf = setup
     cg = capture(model, width=W, max_seq_len=S)
     assert len(_outputs(cg.gm)) == 1
-    res = AttachEarlyExit(cg.structure, E)(cg.gm)
+    res = AttachEarlyExit(E)(cg.gm)
     assert res.modified and len(_outputs(res.graph_module)) == 3
     with torch.no_grad():
         logits, exit_logits, exit_hidden = res.graph_module(ids, pos, span(S))
         torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(exit_logits, _head(model, hf.hidden_states[E]), atol=1e-4, rtol=1e-4)
-    again = AttachEarlyExit(cg.structure, E)(res.graph_module)
+    again = AttachEarlyExit(E)(res.graph_module)
     assert not again.modified and "already attached" in again.reason
 
 
@@ -57,16 +58,16 @@ def test_attach_early_exit_rejects_out_of_range_layers(setup):
     cg = capture(setup[0], width=W, max_seq_len=S)
     for bad in (0, L, L + 3, -1):
         with pytest.raises(ValueError, match="out of range"):
-            AttachEarlyExit(cg.structure, bad)
+            AttachEarlyExit(bad)(cg.gm)
 
 
 def test_truncate_at_exit(setup):
     model, ids, pos, hf = setup
     E = 2
     cg = capture(model, width=W, max_seq_len=S)
-    gm = AttachEarlyExit(cg.structure, E)(cg.gm).graph_module
+    gm = AttachEarlyExit(E)(cg.gm).graph_module
     assert _layers(gm, cg.structure.stack_path) == set(range(L))
-    res = TruncateAtExit(cg.structure, E)(gm)
+    res = TruncateAtExit(E)(gm)
     assert res.modified
     assert _layers(res.graph_module, cg.structure.stack_path) == set(range(E))
     with torch.no_grad():
@@ -78,17 +79,42 @@ def test_truncate_at_exit(setup):
     assert res.graph_module.kv_k_1.abs().sum() > 0
 
 
-def test_truncate_without_exit_is_a_reasoned_no_op(setup):
+def test_pass_order_is_checked(setup):
+    """A pass that needs an earlier one refuses a graph without it, naming the pass to run."""
     cg = capture(setup[0], width=W, max_seq_len=S)
-    res = TruncateAtExit(cg.structure, 2)(cg.gm)
-    assert not res.modified and "attach_early_exit" in res.reason
+    with pytest.raises(PassOrderError, match="run attach_early_exit first"):
+        TruncateAtExit(2)(cg.gm)
+    with pytest.raises(PassOrderError, match="at layer 3 attached"):           # another exit's
+        TruncateAtExit(3)(AttachEarlyExit(2)(cg.gm).graph_module)
+    bare = capture(setup[0], width=W, max_seq_len=S).gm
+    del bare.meta["structure"]                                                  # a graph nobody mapped
+    with pytest.raises(PassOrderError, match="run find_structure on it first"):
+        CutAtExit(2)(bare)
+    cut = CutAtExit(2)(capture(setup[0], width=W, max_seq_len=S).gm).graph_module
+    with pytest.raises(PassOrderError, match="cut already"):
+        CutAtExit(2)(cut)
+    step = trace_step(torch.nn.Sequential(cut))                                 # a step calling a graph
+    with pytest.raises(PassOrderError, match="run inline_graph_calls first"):
+        CheckNoHostSync()(step)
+
+
+def test_drop_head(setup):
+    model, ids, pos, hf = setup
+    cg = capture(model, width=W, max_seq_len=S)
+    res = DropHead()(cg.gm)
+    assert res.modified and not any(n.name in cg.structure.head_nodes for n in res.graph_module.graph.nodes)
+    with torch.no_grad():
+        (hidden,) = res.graph_module(ids, pos, span(S))
+    # The residual stream before the final norm (transformers' last hidden state is after it).
+    torch.testing.assert_close(model.model.norm(hidden), hf.hidden_states[L], atol=1e-4, rtol=1e-4)
+    assert not DropHead()(res.graph_module).modified
 
 
 @pytest.mark.parametrize("E", [1, 3])
 def test_cut_at_exit(setup, E):
     model, ids, pos, hf = setup
     cg = capture(model, width=W, max_seq_len=S)
-    res = CutAtExit(cg.structure, E)(cg.gm)
+    res = CutAtExit(E)(cg.gm)
     gm = res.graph_module
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["exit_hidden", "positions", "span"]
     assert _layers(gm, cg.structure.stack_path) == set(range(E, L))
@@ -115,7 +141,7 @@ def test_share_kv_buffers(setup):
 
 
 @pytest.mark.parametrize("draft, calls", [("early-exit:2", ["drafter.draft"] * 4 + ["verify"]), ("ngram:2", ["verify"])])
-def test_fuse_spec_step_inlines_calls_and_keeps_numerics(draft, calls):
+def test_inline_graph_calls_inlines_calls_and_keeps_numerics(draft, calls):
     import specfx
 
     model = tiny_model("llama", layers=L)
@@ -141,7 +167,7 @@ def test_fuse_spec_step_inlines_calls_and_keeps_numerics(draft, calls):
     assert not torch.equal(after_fused["kv_0"], before["kv_0"])          # ... and KV
     for name, t in after_fused.items():
         assert torch.equal(t, after_unfused[name]), name
-    assert not FuseSpecStep()(fused).modified
+    assert not InlineGraphCalls()(fused).modified
 
 
 def _state(st) -> dict[str, torch.Tensor]:
@@ -169,7 +195,7 @@ def test_check_no_host_sync_flags_syncs_and_passes_the_step():
 def test_pass_manager_records_and_names_the_failing_pass(setup):
     cg = capture(setup[0], width=W, max_seq_len=S)
     pm = PassManager()
-    gm = pm.run_all([AttachEarlyExit(cg.structure, 2), TruncateAtExit(cg.structure, 2)], cg.gm, graph="draft")
+    gm = pm.run_all([AttachEarlyExit(2), TruncateAtExit(2)], cg.gm, graph="draft")
     names = [r.name for r in pm.records]
     assert names == ["attach_early_exit", "truncate_at_exit"]
     assert pm.records[0].nodes_added > 0 and pm.records[1].nodes_removed > 0
@@ -183,13 +209,13 @@ def test_pass_manager_records_and_names_the_failing_pass(setup):
 
     with pytest.raises(PassError, match=r"pass broken_pass failed on graph draft: boom \(passes run before it: "
                                         r"attach_early_exit, truncate_at_exit\)"):
-        pm.run(Broken(cg.structure, 2), gm, graph="draft")
+        pm.run(Broken(2), gm, graph="draft")
     REGISTRY.pop("broken_pass")
 
 
 def test_every_pass_is_registered_with_a_docstring():
-    expected = {"find_structure", "attach_early_exit", "truncate_at_exit", "cut_at_exit",
-                "share_kv_buffers", "fuse_spec_step", "check_no_host_sync"}
+    expected = {"find_structure", "attach_early_exit", "truncate_at_exit", "cut_at_exit", "drop_head",
+                "expose_hidden", "share_kv_buffers", "inline_graph_calls", "check_no_host_sync", "skinny_matmul"}
     assert expected <= set(REGISTRY)
     for name in expected:
         assert REGISTRY[name].summary(), name

@@ -1,4 +1,4 @@
-"""fuse_spec_step: inline every captured-graph call of a traced step into one flat graph."""
+"""inline_graph_calls: inline every captured-graph call of a traced step into one flat graph."""
 
 from __future__ import annotations
 
@@ -7,23 +7,28 @@ import operator
 from torch import fx
 
 from specfx.passes.graph_utils import finish
-from specfx.passes.infra import Pass, PassResult
+from specfx.passes.infra import Pass, PassOrderError, PassResult
 
 
-class FuseSpecStep(Pass):
-    """Inline the draft/verify graph calls (k+1 unrolled drafts) so the step is one graph."""
-
-    def __init__(self, k: int | None = None):
-        self.k = k
+class InlineGraphCalls(Pass):
+    """Inline the step's calls into captured graphs (drafts, verify, refill) so the step is one graph."""
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        calls = [n for n in gm.graph.nodes if n.op == "call_module"
-                 and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
+        calls = graph_calls(gm)
         if not calls:
             return PassResult(gm, False, "no captured-graph calls left to inline")
         for call in calls:
             _inline(gm, call)
         return PassResult(finish(gm), True, info={"inlined_calls": len(calls)})
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if graph_calls(gm):
+            raise PassOrderError(f"graph calls left after inlining: {[n.target for n in graph_calls(gm)]}")
+
+
+def graph_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The `call_module` nodes of `gm` that call a captured graph."""
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
