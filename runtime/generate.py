@@ -113,14 +113,14 @@ class Runtime:
     def cover(self, positions: int | None = None, steps: int = 0) -> None:
         """Make attention span every position below `positions` (default: the longest row's
         length) and those that `steps` more steps can reach (each advances a row by at most k+1
-        and looks k+1 ahead)."""
-        st, k = self.state, self.graphs.k
+        and writes the KV of its tree's N+1 rows ahead: k+1 for a chain)."""
+        st, k, rows = self.state, self.graphs.k, self.graphs.tree.size + 1
         if not self.live_span:
             st.set_span(st.seq_len)
             return
         if positions is None:
             positions = int(st.lengths.max())
-        reach = positions + steps * (k + 1) + (k + 1 if steps else 0)
+        reach = positions + steps * (k + 1) + (rows if steps else 0)
         st.set_span(-(-reach // SPAN_ALIGN) * SPAN_ALIGN)
 
     @torch.no_grad()

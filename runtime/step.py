@@ -38,7 +38,7 @@ from specfx.runtime.accept import commit, greedy_accept
 from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, speculative_accept, warp
 from specfx.runtime.state import KVLayout
-from specfx.runtime.tree import Tree
+from specfx.runtime.tree import Tree, move_path_kv
 
 
 def _filters(sample) -> str:
@@ -52,6 +52,18 @@ def propose(logits, sample, noise, warping):
         return logits.argmax(-1)[:, None], None
     q = warp(logits, *warping, filters=_filters(sample))
     return race(q, noise)[:, None], q
+
+
+def candidates(logits, width: int, sample, noise, warping):
+    """A drafter's `width` candidates at one depth of a spine tree, from logits [B, V]:
+    (the spine token [B, 1], all candidates [B, width] in rank order, q or None). One candidate
+    is `propose`'s token; more are the top `width` (greedy only: `SpecStep` refuses sampling
+    over a tree), the first of them the spine token."""
+    if width == 1:
+        x, q = propose(logits, sample, noise, warping)
+        return x, x, q
+    top = logits.topk(width, -1).indices                              # [B, width]
+    return top[:, :1], top, None
 
 
 @dataclass
@@ -94,8 +106,11 @@ class Drafter(nn.Module):
     def propose(self, s: StepInputs) -> Proposal:
         raise NotImplementedError
 
-    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor) -> None:
-        """Update what the drafter keeps from the verify outputs `out` (default: nothing)."""
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+                     path: torch.Tensor | None) -> None:
+        """Update what the drafter keeps from the verify outputs `out` (default: nothing): the
+        accepted path's rows are `path` [B, D+1] (None for a chain: rows 0..k), at `positions`
+        [B, D+1], followed by `emitted` [B, D+1]."""
 
 
 class NoDrafter(Drafter):
@@ -146,31 +161,51 @@ class LookupDrafter(Drafter):
         return Proposal(drafts, q)
 
 
-class DraftModelDrafter(Drafter):
-    """k drafts from a separate draft model with its own KV (group "draft"), then a catch-up
-    pass that writes draft k into that KV."""
+def _spine(tree: Tree) -> tuple[int, ...]:
+    if tree.branching is None:
+        raise ValueError(f"this drafter drafts chains and spine trees (Tree.spine), not {tree}")
+    return tree.branching
 
-    def __init__(self, draft: fx.GraphModule, k: int, *, draft_vocab: int, target_vocab: int):
+
+class DraftModelDrafter(Drafter):
+    """Drafts from a separate draft model with its own KV (group "draft") along the spine of a
+    spine tree (a chain of k by default), then a catch-up pass that writes the last spine
+    draft into that KV."""
+
+    def __init__(self, draft: fx.GraphModule, tree: Tree, *, draft_vocab: int, target_vocab: int,
+                 refill: fx.GraphModule | None = None):
         super().__init__()
-        self.draft, self.tree = draft, Tree.chain(k)
+        self.draft, self.tree, self.branching, self.refill = draft, tree, _spine(tree), refill
+        if not tree.is_chain and refill is None:
+            raise ValueError("a draft model drafting a tree needs its refill graph (the accepted path's KV)")
         # Vocab sizes may differ by padding: drafts come from the shared part only.
         self.vocab, self.pad = min(draft_vocab, target_vocab), max(0, target_vocab - draft_vocab)
         self.max_draft_id = draft_vocab - 1
 
     def propose(self, s: StepInputs) -> Proposal:
-        k, x = self.tree.size, s.pending
+        D, x = len(self.branching), s.pending
         drafts, qs = [], []
-        for j in range(k + 1):
+        # A chain's last pass writes draft D's KV (the catch-up); a tree's refill writes the path's.
+        for j in range(D + 1 if self.refill is None else D):
             pos = (s.last + j).clamp(max=s.max_pos)[:, None]
             # A target token past the draft's vocab (padding) must not index out of its embedding.
             logits = self.draft(x.clamp(max=self.max_draft_id), pos, s.span, *s.group("draft"))[0][:, -1, : self.vocab]
-            if j == k:
+            if j == D:
                 break
-            x, q = propose(logits, s.sample, s.noise[:, j, : self.vocab], s.warping)
-            drafts.append(x)
+            x, cand, q = candidates(logits, self.branching[j], s.sample, s.noise[:, j, : self.vocab], s.warping)
+            drafts.append(cand)
             if s.sample:
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
+
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+                     path: torch.Tensor | None) -> None:
+        if self.refill is None:
+            return
+        # The path's tokens at their positions: the pending token, then each emitted one (the
+        # spine's KV holds the spine's token where a sibling was accepted).
+        ids = torch.cat([s.pending, emitted[:, :-1]], 1).clamp(max=self.max_draft_id)   # [B, D+1]
+        self.refill(ids, positions, s.span, *s.group("draft"))
 
 
 def head_positions(positions: torch.Tensor, trash: int) -> torch.Tensor:
@@ -205,11 +240,11 @@ class MTPDrafter(Drafter):
     overwritten).
     """
 
-    def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, k: int, *, taps: int = 1,
+    def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, tree: Tree, *, taps: int = 1,
                  combine: fx.GraphModule | None = None):
         super().__init__()
         self.head, self.refill, self.combine, self.taps = head, refill, combine, taps
-        self.tree = Tree.chain(k)
+        self.tree, self.branching = tree, _spine(tree)
 
     def propose(self, s: StepInputs) -> Proposal:
         x, (history,) = s.pending, s.group("history")
@@ -219,16 +254,19 @@ class MTPDrafter(Drafter):
         h = _gather_hidden(history, first.clamp(min=0))               # [B, 1, H]
         h = torch.where(first[:, :, None] < 0, torch.zeros_like(h), h)
         drafts, qs = [], []
-        for j in range(self.tree.size):
+        for j, width in enumerate(self.branching):           # the head runs along the spine
             pos = (first + j).clamp(min=0, max=s.max_pos)
             logits, h = self.head(x, h, pos, s.span, *s.group("head"))
-            x, q = propose(logits[:, -1], s.sample, s.noise[:, j], s.warping)
-            drafts.append(x)
+            x, cand, q = candidates(logits[:, -1], width, s.sample, s.noise[:, j], s.warping)
+            drafts.append(cand)
             qs.append(q)
         return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
 
-    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor) -> None:
-        hidden = _head_input(self.combine, out, 1, self.taps)        # [B, k+1, H]
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+                     path: torch.Tensor | None) -> None:
+        hidden = _head_input(self.combine, out, 1, self.taps)        # [B, N+1, H]
+        if path is not None:
+            hidden = _gather_hidden(hidden, path)                     # [B, D+1, H]: the accepted path's
         _scatter_hidden(s.group("history")[0], positions, hidden)
         # Refill: the token after position p is emitted[p - last] for every kept p.
         self.refill(emitted, hidden, positions, s.span, *s.group("head"))
@@ -251,6 +289,11 @@ class SpecStep(nn.Module):
         """Drafts per step."""
         return self.drafter.tree.size
 
+    @property
+    def depth(self) -> int:
+        """The most drafts one step accepts (k for a chain)."""
+        return self.drafter.tree.depth
+
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
         tree = self.drafter.tree
@@ -262,10 +305,13 @@ class SpecStep(nn.Module):
         pos = tree.positions(s.last).clamp(max=self.max_pos)         # [B, N+1]
         slots = tree.slots(s.last).clamp(max=self.max_pos)
         visible = tree.visibility(s.last, self.cache_slots)           # [B, 1, N+1, S+1]
-        out = self.verify(ids if p.verify_input is None else p.verify_input, pos, span, slots, visible,
-                          *s.group(*self.drafter.verify_kv))
-        emitted, n, _ = self._accept(p, out[0], uniforms, noise[:, tree.size], s.warping)
-        self.drafter.after_verify(s, out, pos, emitted)
+        target_kv = s.group(*self.drafter.verify_kv)
+        out = self.verify(ids if p.verify_input is None else p.verify_input, pos, span, slots, visible, *target_kv)
+        emitted, n, path = self._accept(p, out[0], uniforms, noise[:, tree.depth], s.warping)
+        if path is not None:     # a tree: the accepted path's KV moves to the slots of its positions
+            move_path_kv(target_kv, s.last, path, self.max_pos)
+            pos = Tree.chain(tree.depth).positions(s.last).clamp(max=self.max_pos)   # [B, D+1]
+        self.drafter.after_verify(s, out, pos, emitted, path)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
     def _accept(self, p: Proposal, target_logits, uniforms, noise, warping):

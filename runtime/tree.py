@@ -32,6 +32,24 @@ class Tree:
         """k drafts, each the child of the one before."""
         return cls(tuple(range(-1, k - 1)))
 
+    @classmethod
+    def spine(cls, branching: tuple[int, ...]) -> Tree:
+        """A drafter's top candidates at each depth: `branching[d]` children of the depth-d spine
+        node (the pending token at d = 0), in rank order; the first of them, the drafter's top
+        choice, is the spine node one level down. `spine((1,) * k)` is `chain(k)`.
+
+        Drafting such a tree costs what drafting its spine does (one drafter pass per depth:
+        only spine nodes are expanded), and it accepts a second-ranked candidate wherever the
+        spine's is rejected."""
+        if not branching or any(not isinstance(b, int) or b < 1 for b in branching):
+            raise ValueError(f"tree branching must be one or more ints >= 1 per depth, got {branching!r}")
+        parents, spine = [], -1
+        for b in branching:
+            first = len(parents)
+            parents.extend([spine] * b)
+            spine = first
+        return cls(tuple(parents))
+
     @property
     def size(self) -> int:
         """N, the number of draft nodes (the verify pass reads N + 1 rows)."""
@@ -40,6 +58,17 @@ class Tree:
     @property
     def is_chain(self) -> bool:
         return self.parents == tuple(range(-1, self.size - 1))
+
+    @cached_property
+    def branching(self) -> tuple[int, ...] | None:
+        """Candidates per depth when this is a `spine` tree (chains included), else None."""
+        counts = tuple(self.depths[1:].count(d) for d in range(1, self.depth + 1))
+        return counts if not counts or Tree.spine(counts) == self else None
+
+    def __str__(self) -> str:
+        if self.is_chain:
+            return f"chain of {self.size}"
+        return "x".join(map(str, self.branching)) if self.branching else f"tree {self.parents}"
 
     @cached_property
     def row_parents(self) -> tuple[int, ...]:
@@ -104,6 +133,18 @@ class Tree:
         in_tree = (rel >= 0) & (rel <= self.size)                          # [B, S]
         seen = const(last, self.ancestors, torch.bool)[:, rel.clamp(0, self.size)]  # [N+1, B, S]
         return (committed | (in_tree[None] & seen).transpose(0, 1))[:, None]
+
+
+def move_path_kv(kv: list, last: torch.Tensor, path: torch.Tensor, max_pos: int) -> None:
+    """Move the accepted path's KV entries into their final slots, in place: in each buffer
+    [B, H, S, D], slot `last + path[:, j]` (where row path[j] wrote) goes to `last + j`. The
+    other rows' entries stay beyond the new length, masked, and later steps overwrite them."""
+    rows = torch.arange(path.shape[0], device=path.device)[:, None]                    # [B, 1]
+    src = (last[:, None] + path).clamp(max=max_pos)                                      # [B, D+1]
+    dst = (last[:, None] + torch.arange(path.shape[1], device=path.device)).clamp(max=max_pos)
+    for buf in kv:
+        # index_put_ (not scatter_), so Inductor writes the few entries in place.
+        torch.ops.aten.index_put_(buf, [rows, None, dst], buf[rows, :, src])
 
 
 def const(like: torch.Tensor, values, dtype=torch.long) -> torch.Tensor:

@@ -29,10 +29,15 @@ class SpeculativeModel:
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
                  sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
         self.model = model.eval()
+        drafter = parse_draft(draft)
+        tree = getattr(drafter, "tree", None)
+        if tree is not None and num_speculative_tokens not in (None, len(tree)):
+            raise ValueError(f"draft {drafter}: the tree sets the drafts per step (depth {len(tree)}); "
+                             f"num_speculative_tokens={num_speculative_tokens} disagrees: leave it out")
         k = num_speculative_tokens if num_speculative_tokens is not None else \
-            default_num_speculative_tokens(model, 4)
+            len(tree) if tree is not None else default_num_speculative_tokens(model, 4)
         t0 = time.perf_counter()
-        self.graphs = pipeline.build(model, parse_draft(draft), k=k, batch_size=batch_size,
+        self.graphs = pipeline.build(model, drafter, k=k, batch_size=batch_size,
                                      max_seq_len=max_seq_len, matmul=matmul_plan(model, backend, skinny_matmul))
         self.drafter = self.graphs.drafter
         self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every, cudagraphs=cudagraphs)

@@ -27,6 +27,7 @@ from specfx.generation import GenerationDefaults, StaticShape, generate
 from specfx.runtime.generate import Runtime
 from specfx.runtime.state import STEP_INPUTS, StaticState
 from specfx.runtime.stats import GenerationStats
+from specfx.runtime.tree import Tree
 
 FORMAT_VERSION = 3
 LOADABLE = ("pt2", "aoti")
@@ -51,6 +52,7 @@ class Programs:
     load_sample_step: Callable[[], Callable]   # loaded at the first sampling call, not before
     state: StaticState
     k: int
+    tree: Tree
     prefill_chunk: int
     max_seq_len: int
     weights: dict[str, torch.Tensor]   # kept alive: AOTI constants point at these tensors
@@ -126,8 +128,10 @@ def load_artifact(folder: Path, format: str, device=None, *, trust_native_code: 
                                     weights, device, exported_on)
     prefills = [LoadedPrefill(name, program(name), slice(*entry["kv"]))
                 for name, entry in programs.items() if entry["role"] == "prefill"]
-    bundle = Programs(prefills, program("first"), program("step"), lambda: program("sample_step"), allocate_state(manifest, device),
-                      manifest["k"], manifest["prefill_chunk"], manifest["max_seq_len"], weights)
+    bundle = Programs(prefills, program("first"), program("step"), lambda: _sample_step(manifest, program),
+                      allocate_state(manifest, device),
+                      manifest["k"], manifest_tree(manifest), manifest["prefill_chunk"], manifest["max_seq_len"],
+                      weights)
     return LoadedModel(folder, manifest, bundle, format)
 
 
@@ -169,6 +173,19 @@ def verify_files(folder: Path, manifest: dict, names: list[str]) -> None:
         if sha256(path) != expected:
             raise ValueError(f"{path} does not match its sha256 in {MANIFEST} (expected {expected[:12]}...): "
                              "the file was changed or truncated; re-export the artifact")
+
+
+def _sample_step(manifest: dict, program: Callable) -> Callable:
+    if "sample_step" not in manifest["programs"]:
+        raise NotImplementedError(f"this artifact's step drafts a tree ({manifest_tree(manifest)}); sampling over a "
+                                  "draft tree is not supported yet: export a chain to sample")
+    return program("sample_step")
+
+
+def manifest_tree(manifest: dict) -> Tree:
+    """The step's proposal shape (artifacts without a "tree" entry draft a chain of k)."""
+    parents = manifest.get("tree")
+    return Tree.chain(manifest["k"]) if parents is None else Tree(tuple(parents))
 
 
 def allocate_state(manifest: dict, device: torch.device) -> StaticState:

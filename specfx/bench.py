@@ -165,7 +165,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     `sampling` = dict(temperature, top_k, top_p) switches every method to sampling.
     """
     import specfx
-    from specfx.drafters import default_exit_layer
+    from specfx.drafters import default_exit_layer, parse_draft
 
     device = next(model.parameters()).device
     encoded = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in prompts]
@@ -193,10 +193,11 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         if base.startswith(SPECFX_PREFIX):
             draft = name[len(SPECFX_PREFIX):]
             log(f"[bench] {name}: compiling ({backend})")
-            fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
-                                  backend=backend)
+            tree = getattr(parse_draft(draft), "tree", None)          # a tree sets its own depth
+            fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
+                                  max_seq_len=max_seq_len, backend=backend)
             compile_s = fast.capture_s + fast.compile_s
-            config = f"k={fast.num_speculative_tokens}" if draft != "none" else ""
+            config = "" if draft == "none" else f"tree={fast.graphs.tree}" if tree else f"k={fast.num_speculative_tokens}"
             gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling)  # noqa: E731
         else:
             if base in ("hf-greedy", "hf-sample") and (base == "hf-sample") != (sampling is not None):

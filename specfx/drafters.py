@@ -2,6 +2,7 @@
 
 `parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"ngram:3"` -> `PromptLookup(ngram=3)`;
 `"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"mtp:pycoder-mtp"` -> `MTPHead("pycoder-mtp")`;
+`"mtp:pycoder-mtp:tree=4x2x2x1"` -> `MTPHead("pycoder-mtp", tree=(4, 2, 2, 1))` (a draft tree, also for a draft model);
 `"none"` or None -> `NoDraft()`.
 The transform for each config lives in `specfx.pipeline`, registered by config type.
 """
@@ -64,16 +65,19 @@ class DraftModel:
     """
 
     model: object
+    tree: tuple[int, ...] | None = None    # candidates per depth of a spine tree (`runtime.tree.Tree.spine`)
     name = "draft-model"
 
     def __post_init__(self):
         if not isinstance(self.model, (str, Path)) and not hasattr(self.model, "config"):
             raise TypeError("DraftModel(model): expected a Hugging Face causal LM, a zoo name or a path")
+        _check_tree(self)
 
     def __str__(self) -> str:
         if isinstance(self.model, (str, Path)):
-            return f"draft-model:{self.model}"
-        return f"draft-model:{getattr(self.model.config, '_name_or_path', '') or type(self.model).__name__}"
+            return f"draft-model:{self.model}{_tree_suffix(self.tree)}"
+        name = getattr(self.model.config, '_name_or_path', '') or type(self.model).__name__
+        return f"draft-model:{name}{_tree_suffix(self.tree)}"
 
     def load(self, like):
         """The draft module, on the device and in the dtype of the target `like`."""
@@ -99,6 +103,7 @@ class MTPHead:
 
     path: str | Path | None = None
     layout: str | None = None        # None: found from the folder (specfx, eagle, eagle3, deepseek-mtp)
+    tree: tuple[int, ...] | None = None    # candidates per depth of a spine tree (`runtime.tree.Tree.spine`)
     name = "mtp"
 
     def __post_init__(self):
@@ -108,9 +113,10 @@ class MTPHead:
             raise TypeError(f"MTPHead(path): expected a head folder or zoo name, got {type(self.path).__name__}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"MTPHead(layout={self.layout!r}): expected one of {', '.join(LAYOUTS)}")
+        _check_tree(self)
 
     def __str__(self) -> str:
-        return "mtp" if self.path is None else f"mtp:{self.path}"
+        return ("mtp" if self.path is None else f"mtp:{self.path}") + _tree_suffix(self.tree)
 
     def load(self, target):
         """The head module for `target` (refused if it was trained for another target)."""
@@ -125,6 +131,36 @@ class MTPHead:
 
 
 DrafterConfig = NoDraft | EarlyExit | PromptLookup | DraftModel | MTPHead
+
+
+def _check_tree(config) -> None:
+    """A drafter's `tree`: candidates per depth, e.g. (4, 2, 2, 1) (see `Tree.spine`)."""
+    tree = config.tree
+    if tree is None:
+        return
+    if isinstance(tree, list):
+        tree = tuple(tree)
+        object.__setattr__(config, "tree", tree)       # frozen: the config stays hashable
+    if not isinstance(tree, tuple) or not tree or any(not isinstance(b, int) or b < 1 for b in tree):
+        raise ValueError(f"{type(config).__name__}(tree={tree!r}): expected candidates per depth, one or more "
+                         "ints >= 1, e.g. (4, 2, 2, 1)")
+
+
+def _tree_suffix(tree) -> str:
+    return "" if tree is None else ":tree=" + "x".join(map(str, tree))
+
+
+def _split_tree(spec: str, arg: str) -> tuple[str, tuple[int, ...] | None]:
+    """("pycoder-mtp", (4, 2, 2, 1)) from "pycoder-mtp:tree=4x2x2x1" (or "tree=4x2x2x1")."""
+    head, sep, tree = arg.rpartition("tree=") if "tree=" in arg else (arg, "", "")
+    if not sep:
+        return arg, None
+    if head and not head.endswith(":"):
+        raise ValueError(f"bad draft spec {spec!r}: the tree goes last, after a colon, e.g. mtp:pycoder-mtp:tree=4x2x2x1")
+    parts = tree.split("x")
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"bad draft spec {spec!r}: expected tree=<candidates per depth>, e.g. tree=4x2x2x1")
+    return head[:-1], tuple(int(p) for p in parts)
 
 
 def parse_draft(spec) -> DrafterConfig:
@@ -149,11 +185,13 @@ def parse_draft(spec) -> DrafterConfig:
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")
         return PromptLookup(ngram=int(arg)) if arg else PromptLookup()
     if name == "mtp":
-        return MTPHead(arg or None)
+        arg, tree = _split_tree(spec, arg)
+        return MTPHead(arg or None, tree=tree)
     if name == "draft-model":
+        arg, tree = _split_tree(spec, arg)
         if not arg:
             raise ValueError(f"bad draft spec {spec!r}: expected draft-model:<zoo name or checkpoint path>")
-        return DraftModel(arg)
+        return DraftModel(arg, tree=tree)
     raise ValueError(f"unknown draft spec {spec!r}; expected one of: none, early-exit, early-exit:<layer>, "
                      "ngram, ngram:<n>, draft-model:<path>, mtp, mtp:<path>")
 

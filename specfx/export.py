@@ -97,7 +97,7 @@ def _write(spec_model, out: Path, formats: tuple[str, ...], tokenizer) -> dict:
         "format": FORMAT_VERSION,
         "versions": {"specfx": __version__, "torch": torch.__version__, "transformers": _version("transformers")},
         "formats": list(formats),
-        "drafter": str(graphs.drafter), "k": graphs.k, "batch_size": state.batch_size,
+        "drafter": str(graphs.drafter), "k": graphs.k, "tree": list(graphs.tree.parents), "batch_size": state.batch_size,
         "max_seq_len": graphs.max_seq_len, "seq_len": state.seq_len, "prefill_chunk": graphs.prefill_chunk,
         "vocab_size": graphs.structure.vocab_size, "device": str(state.tokens.device),
         "state": {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.tensors().items()},
@@ -140,7 +140,7 @@ def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dic
 
 def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     """name -> (graph, example args, manifest entry) for each prefill, the first token's head, the
-    step and the sampling step."""
+    step and (for a chain) the sampling step."""
     st, C = graphs.state, graphs.prefill_chunk
     B, dev, kv_names = st.batch_size, st.tokens.device, [f"kv_{i}" for i in range(len(st.kv))]
     ids = torch.zeros(B, C, dtype=torch.long, device=dev)
@@ -164,9 +164,10 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     step_inputs = [*STEP_INPUTS, *kv_names]
     programs["step"] = (graphs.step, st.step_args(), {"role": "step", "sample": False, "inputs": step_inputs,
                                                       "outputs": []})
-    programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
-                               {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
-    if len(programs) != len(graphs.prefills) + 3:
+    if graphs.tree.is_chain:           # a tree's step does not sample (yet): its artifact has no sampling step
+        programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
+                                   {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
+    if len(programs) != len(graphs.prefills) + 2 + graphs.tree.is_chain:
         raise ValueError(f"program names must be unique, got prefills {[p.name for p in graphs.prefills]}")
     return programs
 

@@ -30,13 +30,14 @@ class InspectReport:
     model: str
     drafter: str
     k: int
+    tree: list[int]                 # the proposal's parents (runtime.tree.Tree): a chain of k, or the drafter's tree
     structure: dict
     passes: list[dict]
     step: StepReport
     graphs: dict[str, str] = field(default_factory=dict)  # name -> readable code
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "drafter": self.drafter, "k": self.k, "structure": self.structure,
+        return {"model": self.model, "drafter": self.drafter, "k": self.k, "tree": self.tree, "structure": self.structure,
                 "passes": self.passes, "step": asdict(self.step)}
 
 
@@ -74,6 +75,8 @@ def inspect_model(model, draft, *, name: str = "model", k: int | None = None,
     the skinny-matmul rewrite included on CPU), not compiled."""
     if skinny_matmul is None:
         skinny_matmul = next(model.parameters()).device.type == "cpu"
+    if getattr(specfx.parse_draft(draft), "tree", None) is not None:
+        k = None                    # the tree sets the drafts per step
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
                           backend="eager", warmup=False, skinny_matmul=skinny_matmul)
     g = fast.graphs
@@ -86,5 +89,6 @@ def inspect_model(model, draft, *, name: str = "model", k: int | None = None,
     )
     graphs = {"prefill": g.prefill.code, "step": g.step.code}
     graphs.update({name_: gm.code for name_, gm in g.parts.items()})
-    return InspectReport(model=name, drafter=str(g.drafter), k=g.k, structure=g.structure.to_dict(),
+    return InspectReport(model=name, drafter=str(g.drafter), k=g.k, tree=list(g.tree.parents),
+                         structure=g.structure.to_dict(),
                          passes=[r.to_dict() for r in g.records], step=step, graphs=graphs)

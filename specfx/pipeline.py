@@ -22,6 +22,7 @@ from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StructureError, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
+from specfx.runtime.tree import Tree
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
                                  NoDrafter, SpecStep, trace_step)
 
@@ -71,7 +72,8 @@ class Graphs:
     unfused_step: fx.GraphModule     # the step before its graph calls are inlined
     state: StaticState
     structure: StructureMap
-    k: int                           # drafts per step (0 without a drafter)
+    k: int                           # drafts on the proposal's longest path (0 without a drafter)
+    tree: Tree                       # the proposal's shape: k + 1 tokens at most per step, tree.size drafts
     drafter: object
     prefill_chunk: int
     max_seq_len: int
@@ -118,7 +120,7 @@ class BuildContext:
     pm: PassManager
     target: Captured
     drafter: object
-    k: int
+    tree: Tree                                     # the proposal's shape: a chain of k, or the drafter's tree
     seq_len: int
     batch_size: int
     prefill_chunk: int
@@ -131,13 +133,18 @@ class BuildContext:
         return tail_passes(self.matmul, buffers)
 
     @property
+    def k(self) -> int:
+        """Drafts on the tree's longest path (k of a chain)."""
+        return self.tree.depth
+
+    @property
     def max_pos(self) -> int:
         return self.seq_len - 1
 
     def verify(self, passes: list[Pass] = (), *, drafts: int | None = None, name: str = "verify") -> fx.GraphModule:
         """The target over the pending token and `drafts` (default k) drafts, given the KV slots
         and the mask (see `SpecStep`)."""
-        width = (self.k if drafts is None else drafts) + 1
+        width = (self.tree.size if drafts is None else drafts) + 1
         return self.pm.run_all([*passes, *self.tail()], self.target.capture(width, explicit_mask=True), graph=name)
 
     def target_prefill(self, layout: KVLayout, *groups: str) -> Prefill:
@@ -204,13 +211,14 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     # Room for k+1 slots past the last real token, so a step never writes out of bounds, rounded
     # up so that the rows of a half-precision attention mask [B, 1, W, seq_len] stay aligned
     # (SDPA pads and copies an unaligned mask in every layer).
-    seq_len = -(-(max_seq_len + k + 1) // KV_ALIGN) * KV_ALIGN
+    tree = Tree.spine(drafter.tree) if getattr(drafter, "tree", None) else Tree.chain(k)
+    seq_len = -(-(max_seq_len + tree.size + 1) // KV_ALIGN) * KV_ALIGN
     pm = PassManager()
     chunk = min(prefill_chunk, max_seq_len)
     target = capture_model(pm, model, name="prefill", batch_size=batch_size, seq_len=seq_len, chunk=chunk,
                            matmul=matmul)
     L = target.structure.num_layers
-    ctx = BuildContext(pm, target, drafter, k, seq_len, batch_size, chunk, model, matmul)
+    ctx = BuildContext(pm, target, drafter, tree, seq_len, batch_size, chunk, model, matmul)
     try:
         drafting = builder(ctx)
     except PassError as e:
@@ -224,12 +232,13 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     if len(kv) != len(drafting.layout):
         raise AssertionError(f"{drafter}: {len(kv)} KV buffers, layout {drafting.layout.groups}")
     step = drafting.make_step(False)
-    state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=step.k,
+    state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=step.depth,
                                  vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
     parts = drafting.parts
     return Graphs(
         prefills=drafting.prefills, step=fuse_step(pm, step, graph="step"), unfused_step=trace_step(step),
-        state=state, structure=target.structure, k=step.k, drafter=drafter, prefill_chunk=chunk,
+        state=state, structure=target.structure, k=step.depth, tree=step.drafter.tree, drafter=drafter,
+        prefill_chunk=chunk,
         max_seq_len=max_seq_len, kv_layout=drafting.layout, parts={n: p.gm for n, p in parts.items()},
         kv_slices={n: drafting.layout.slice(*p.kv) for n, p in parts.items()},
         draft_calls={n: p.draft_calls for n, p in parts.items() if p.draft_calls}, first=first,
@@ -320,12 +329,12 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
     prefill = MTPPrefill(target_prefill, cap(ctx.prefill_chunk, "head_prefill", dynamic=True), layout=layout,
                          max_pos=ctx.max_pos, taps=len(taps),
                          combine=cap_combine(ctx.prefill_chunk, "combine_prefill", dynamic=True))
-    combine = cap_combine(k + 1, "combine")
+    combine = cap_combine(ctx.tree.size + 1, "combine")            # over the verify rows
     parts = {"draft": Part(draft, ("head",), draft_calls=k), "refill": Part(refill, ("head",), draft_calls=1),
              "verify": Part(verify, ("target",))}
     if combine is not None:
         parts["combine"] = Part(combine, ())
-    make = lambda: MTPDrafter(draft, refill, k, taps=len(taps), combine=combine)  # noqa: E731
+    make = lambda: MTPDrafter(draft, refill, ctx.tree, taps=len(taps), combine=combine)  # noqa: E731
     return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
                     [Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), layout.slice("target", "head", "history"))],
                     extra_kv=[*static.kv(), history])
@@ -342,10 +351,15 @@ def _build_draft_model(ctx: BuildContext) -> Drafting:
     layout = KVLayout((("target", 2 * ctx.target.structure.num_layers), ("draft", 2 * d.structure.num_layers)))
     draft = ctx.pm.run_all(ctx.tail(), d.capture(1), graph="draft")
     verify = ctx.verify()
-    # k drafts and the catch-up pass.
-    parts = {"draft": Part(draft, ("draft",), draft_calls=ctx.k + 1), "verify": Part(verify, ("target",))}
-    make = lambda: DraftModelDrafter(draft, ctx.k, draft_vocab=d.structure.vocab_size,  # noqa: E731
-                                     target_vocab=ctx.target.structure.vocab_size)
+    if ctx.tree.is_chain:      # k drafts and the catch-up pass over the last
+        refill = None
+        parts = {"draft": Part(draft, ("draft",), draft_calls=ctx.k + 1)}
+    else:                      # drafts along the spine, then a pass over the accepted path
+        refill = ctx.pm.run_all([DropHead(), *ctx.tail()], d.capture(ctx.k + 1), graph="refill")
+        parts = {"draft": Part(draft, ("draft",), draft_calls=ctx.k), "refill": Part(refill, ("draft",), draft_calls=1)}
+    parts["verify"] = Part(verify, ("target",))
+    make = lambda: DraftModelDrafter(draft, ctx.tree, draft_vocab=d.structure.vocab_size,  # noqa: E731
+                                     target_vocab=ctx.target.structure.vocab_size, refill=refill)
     return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
                     [ctx.target_prefill(layout), Prefill("draft_prefill", d.prefill, layout.slice("draft"))],
                     extra_kv=d.kv)

@@ -6,8 +6,10 @@ time the machine needs to stream those bytes. `roofline(model, ...)` measures
 - the **probe**: the machine's GB/s on the model's own weight bytes, the fastest of
   (a) every linear of the model at one row through the skinny-matmul reduction, compiled by
   Inductor, (b) the same through BLAS, (c) a sum over one flat buffer of the same size;
-- the bytes one **decode** step (one row) and one **verify** step (k+1 rows) read: every weight
-  matrix, the embedding rows and the live KV cache of a `context`-token sequence;
+- the bytes one **decode** step (one row) and one **verify** step (k+1 rows, and any other
+  `verify_rows`: what a draft tree of that many nodes, plus the pending token, costs to verify)
+  read: every weight matrix, the embedding rows and the live KV cache of a `context`-token
+  sequence;
 - each step's time (its graph alone, as `SpeculativeModel.profile` times it) and achieved GB/s,
   and that as a fraction of the probe.
 """
@@ -98,8 +100,10 @@ def kv_bytes(model, context: int) -> int:
     return 2 * config.num_hidden_layers * context * H * D * next(model.parameters()).element_size()
 
 
-def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024) -> Roofline:
-    """Probe, then time the decode and verify graphs of `model` at a `context`-token sequence."""
+def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
+             verify_rows: tuple[int, ...] = ()) -> Roofline:
+    """Probe, then time the decode and verify graphs of `model` at a `context`-token sequence
+    (the verify graph at k+1 rows and at each of `verify_rows`)."""
     import specfx
 
     weights = linear_weights(model)
@@ -108,9 +112,16 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024) 
     device = next(model.parameters()).device
     result = Roofline(str(device), torch.get_num_threads(), context, probes(weights))
     prompt = torch.randint(3, min(emb.shape[0], 1000), (1, context), device=device)
-    for name, draft, rows in (("decode", "none", 1), ("verify", "ngram:3", k + 1)):
-        fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len)
-        fast.generate(prompt, max_new_tokens=2, eos_token_id=[])
+    if any(r < 2 for r in verify_rows):
+        raise ValueError(f"verify rows must be >= 2 (the pending token and a draft), got {verify_rows}")
+    widths = [("decode", "none", 1), ("verify", "ngram:3", k + 1)]
+    widths += [("verify", "ngram:3", r) for r in sorted(set(verify_rows) - {k + 1})]
+    for i, (name, draft, rows) in enumerate(widths):
+        fast = specfx.compile(model, draft=draft, num_speculative_tokens=max(1, rows - 1), max_seq_len=max_seq_len)
+        if i < 2:
+            fast.generate(prompt, max_new_tokens=2, eos_token_id=[])
+        else:        # only the verify graph is timed: the cache's length matters, not its values
+            fast.graphs.state.load_prompts([prompt[0]], 2, [])
         _, verify_s = fast.profile(repeats=REPEATS)
         row_bytes = rows * emb.shape[1] * emb.element_size()
         result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), verify_s * 1e3))

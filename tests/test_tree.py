@@ -1,12 +1,18 @@
-"""Draft trees: the static shape (`runtime.tree.Tree`), tree acceptance, and a verify pass over a
-tree with an explicit mask and slots, against chains along each of its paths."""
+"""Draft trees: the static shape (`runtime.tree.Tree`), tree acceptance, a verify pass over a tree
+with an explicit mask and slots against chains along each of its paths, and the tree drafters
+(a draft model, an MTP head) end to end: exact, accepting more than their chains, sync-free,
+exported and loaded."""
 
 from __future__ import annotations
+
+import copy
+import zlib
 
 import pytest
 import torch
 
-from helpers import tiny_model
+import specfx
+from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
 from specfx.capture import StaticDecoder, kv_slots, position_mask
 from specfx.runtime.accept import greedy_accept
 from specfx.runtime.tree import Tree
@@ -97,3 +103,141 @@ def test_verifying_a_tree_equals_verifying_each_of_its_paths():
             ids = torch.tensor([[t, a, b, c, d][r] for r in rows])[None]
             chain = prefilled()(ids, last[:, None] + torch.arange(len(rows)), span)
             torch.testing.assert_close(tree_logits[:, rows], chain, rtol=1e-4, atol=1e-4)
+
+
+def test_spine_trees():
+    tree = Tree.spine((4, 2, 2, 1))
+    assert tree.parents == (-1, -1, -1, -1, 0, 0, 4, 4, 6)      # each depth hangs off the one before's top
+    assert (tree.size, tree.depth, tree.branching, str(tree)) == (9, 4, (4, 2, 2, 1), "4x2x2x1")
+    assert Tree.spine((1, 1, 1)) == Tree.chain(3) and Tree.chain(3).branching == (1, 1, 1)
+    assert Tree((-1, -1, 1)).branching is None                  # a node off a second-ranked one: no spine
+    for bad in ((), (2, 0), (1.5,)):
+        with pytest.raises(ValueError, match="one or more ints >= 1"):
+            Tree.spine(bad)
+
+
+def _noisy_copy(model, scale: float, seed: int):
+    """The model with noise on every weight: a draft that agrees with it most of the time."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return draft
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_model_tree_is_exact_and_accepts_more_than_its_chain(arch):
+    """A draft that is often right but not always: where its top choice is rejected, a
+    second-ranked candidate is accepted (the accepted path's KV moved into place and the draft's
+    own KV refilled along it), so the tree accepts more per call than the chain of the same
+    depth, and every token is still the target's."""
+    model = tiny_model(arch, layers=2, vocab=32, seed=zlib.crc32(arch.encode()) % 1000)
+    draft = _noisy_copy(model, 0.2, seed=1)
+    chain = specfx.compile(model, draft=specfx.DraftModel(draft), num_speculative_tokens=3, max_seq_len=96,
+                           backend="eager")
+    tree = specfx.compile(model, draft=specfx.DraftModel(draft, tree=(3, 2, 2)), max_seq_len=96, backend="eager")
+    assert tree.num_speculative_tokens == 3 and tree.graphs.tree.size == 7
+    g = torch.Generator().manual_seed(2)
+    accepted = {"chain": [], "tree": []}
+    for prompt_len in (1, 7, 70):
+        ids = torch.randint(3, 32, (1, prompt_len), generator=g)
+        ref = hf_greedy(model, ids, 24, eos_token_id=None)
+        for name, fast in (("chain", chain), ("tree", tree)):
+            assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), ref, prompt_len)
+            accepted[name].append(fast.last_stats.mean_accepted)
+    chain_all = sum(accepted["chain"]) == 3 * 4                  # every draft accepted: nothing to gain
+    assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
+
+
+def test_mtp_tree_is_exact_on_batched_rows(tmp_path):
+    """The MTP head drafts along the spine and refills along the accepted path; rows of
+    different lengths in one batch."""
+    from specfx.mtp import new_head, save_head
+
+    model = tiny_model("qwen2", layers=2, vocab=32, seed=4)
+    head = save_head(new_head(model), tmp_path / "head", model)
+    fast = specfx.compile(model, draft=specfx.MTPHead(head, tree=(2, 2)), batch_size=2, max_seq_len=64,
+                          backend="eager")
+    g = torch.Generator().manual_seed(5)
+    for lengths in ((3, 9), (12, 1)):
+        rows = [torch.randint(3, 32, (n,), generator=g) for n in lengths]
+        width = max(lengths)
+        ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+        mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]) for r in rows]).long()
+        out = fast.generate(ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[], pad_token_id=0)
+        for b, r in enumerate(rows):
+            ref = hf_greedy(model, r[None], 16, eos_token_id=None)
+            assert_greedy_equal(model, out[b:b + 1, width - len(r):], ref, len(r))
+
+
+def test_tree_step_is_one_graph_without_host_sync_and_round_trips_an_artifact(tmp_path):
+    from specfx.passes import find_host_syncs
+
+    model = tiny_model("llama", layers=2, vocab=32, seed=6)
+    fast = specfx.compile(model, draft=specfx.DraftModel(_noisy_copy(model, 0.5, seed=2), tree=(2, 2)),
+                          max_seq_len=48, backend="eager")
+    g = fast.graphs
+    assert find_host_syncs(g.step) == []
+    g.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(g.step)(*g.state.step_args())
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    fast.export(tmp_path / "art", formats=("pt2",))
+    loaded = specfx.load(tmp_path / "art")
+    assert loaded.manifest["tree"] == list(g.tree.parents)
+    ids = torch.randint(3, 32, (1, 9))
+    assert torch.equal(loaded.generate(ids, max_new_tokens=16, eos_token_id=[]),
+                       fast.generate(ids, max_new_tokens=16, eos_token_id=[]))
+    with pytest.raises(NotImplementedError, match="sampling over a draft tree"):
+        loaded.generate(ids, max_new_tokens=4, do_sample=True)
+
+
+def test_tree_refusals(tmp_path):
+    model = tiny_model("llama", layers=2, vocab=32, seed=7)
+    draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=32, seed=8), tree=(2, 2))
+    with pytest.raises(ValueError, match="the tree sets the drafts per step"):
+        specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
+    fast = specfx.compile(model, draft=draft, max_seq_len=48, backend="eager")
+    with pytest.raises(NotImplementedError, match="sampling over a draft tree"):
+        fast.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=4, do_sample=True)
+    for spec, message in (("mtp:tree=2x2:pycoder-mtp", "expected tree="), ("mtp:pycoder-mtptree=2", "tree goes last")):
+        with pytest.raises(ValueError, match=message):
+            specfx.parse_draft(spec)
+
+
+def test_draft_model_kv_holds_the_accepted_tokens_after_tree_steps():
+    """Where a second-ranked candidate was accepted, the draft's KV at that position holds the
+    spine's token until the refill rewrites it along the accepted path: after generating, the
+    draft's cache equals a fresh prefill of the draft over the tokens kept."""
+    model = tiny_model("mistral", layers=2, vocab=32, seed=11)
+    draft = _noisy_copy(model, 0.2, seed=1)
+    fast = specfx.compile(model, draft=specfx.DraftModel(draft, tree=(3, 2, 2)), max_seq_len=96, backend="eager")
+    fast.generate(torch.randint(3, 32, (1, 9), generator=torch.Generator().manual_seed(3)), max_new_tokens=30,
+                  eos_token_id=[])
+    st = fast.graphs.state
+    n = int(st.lengths[0]) - 1                                   # tokens in the cache (the last is pending)
+    ref = StaticDecoder(draft, 1, st.seq_len)
+    with torch.no_grad():
+        ref(st.tokens[:, :n], torch.arange(n)[None], torch.zeros(st.seq_len, dtype=torch.uint8))
+    ours = fast.graphs.kv_layout.take(st.kv, "draft")
+    theirs = [t for i in range(draft.config.num_hidden_layers) for t in ref.kv(i)]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a[:, :, :n], b[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_reports_and_draws_the_tree():
+    from rich.console import Console
+
+    from specfx.cli.inspect_cmd import _draw_tree
+    from specfx.inspect import inspect_model
+
+    model = tiny_model("llama", layers=2, vocab=32, seed=12)
+    draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=32, seed=13), tree=(3, 2))
+    report = inspect_model(model, draft, k=4, max_seq_len=32, skinny_matmul=False)
+    assert report.k == 2 and report.tree == [-1, -1, -1, 0, 0]
+    assert report.to_dict()["tree"] == report.tree and report.step.host_syncs == []
+    console = Console(width=100, record=True)
+    console.print(_draw_tree(report.tree))
+    text = console.export_text()
+    assert "5 nodes" in text and text.count("depth 2") == 2 and "candidate 3" in text

@@ -55,6 +55,8 @@ def run(args) -> int:
         table.add_row(r["graph"], r["name"], r["kind"], "yes" if r["modified"] else "no", r["reason"],
                       str(r["nodes_added"]), str(r["nodes_removed"]), f"{r['ms']:.1f}")
     out.print(table)
+    if report.tree != list(range(-1, len(report.tree) - 1)):      # not a chain: draw it
+        out.print(_draw_tree(report.tree))
 
     st = report.step
     ops = Table(title=f"fused step: {st.nodes} nodes, static shapes: {'yes' if st.static_shapes else 'NO'}, "
@@ -76,3 +78,16 @@ def run(args) -> int:
             json.dump(report.to_dict(), f, indent=1)
         out.print(f"wrote {args.json_out}", style="dim")
     return 0 if not st.host_syncs and st.graph_breaks == 0 else 1
+
+
+def _draw_tree(parents: list[int]):
+    """The draft tree as a rich Tree: each node by depth and its rank among its siblings."""
+    from rich.tree import Tree
+
+    root = Tree(f"[bold]draft tree[/]: {len(parents)} nodes, verified with the pending token in one pass")
+    branch, depth = {-1: root.add("pending token")}, {-1: 0}
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1
+        rank = parents[:i].count(p)
+        branch[i] = branch[p].add(f"node {i}: depth {depth[i]}, candidate {rank + 1}" + (" (spine)" if rank == 0 else ""))
+    return root
