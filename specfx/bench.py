@@ -197,7 +197,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
             fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
                                   max_seq_len=max_seq_len, backend=backend)
             compile_s = fast.capture_s + fast.compile_s
-            config = "" if draft == "none" else f"tree={fast.graphs.tree}" if tree else f"k={fast.num_speculative_tokens}"
+            config = "" if draft == "none" else f"{fast.graphs.tree.size} nodes" if tree else f"k={fast.num_speculative_tokens}"
             gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling)  # noqa: E731
         else:
             if base in ("hf-greedy", "hf-sample") and (base == "hf-sample") != (sampling is not None):
