@@ -20,6 +20,8 @@ The drafters (each declares the KV groups its graphs read, see `runtime.state.KV
 - `MTPDrafter`: k drafts from an MTP head fed by the target's final hidden states; after
   verification the head's refill over the verified positions. `MTPPrefill` fills the head's KV
   during prefill.
+The last two also draft spine trees (`Tree.spine`: their top candidates at each depth); the
+step then moves the accepted path's KV into place (`move_path_kv`) and they refill along it.
 
 With `sample=True` (or the name of a `warp` variant, see `sampling.filters_for`) a step
 samples instead of taking the argmax: drafts are drawn from the drafter's warped distribution
@@ -168,9 +170,10 @@ def _spine(tree: Tree) -> tuple[int, ...]:
 
 
 class DraftModelDrafter(Drafter):
-    """Drafts from a separate draft model with its own KV (group "draft") along the spine of a
-    spine tree (a chain of k by default), then a catch-up pass that writes the last spine
-    draft into that KV."""
+    """Drafts from a separate draft model with its own KV (group "draft"), advancing in unison
+    with the target (same positions and lengths). A chain of k: k passes, then a catch-up pass
+    that writes draft k into that KV. A spine tree: one pass per depth along the spine (its top
+    candidates are the nodes), then, after verification, a refill pass over the accepted path."""
 
     def __init__(self, draft: fx.GraphModule, tree: Tree, *, draft_vocab: int, target_vocab: int,
                  refill: fx.GraphModule | None = None):
@@ -230,14 +233,15 @@ def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torc
 
 
 class MTPDrafter(Drafter):
-    """k drafts from an MTP head, and its refill after verification.
+    """Drafts from an MTP head (one head pass per depth, along the spine of a spine tree; a
+    chain of k by default), and its refill after verification.
 
     KV groups: the head's key and value buffers ("head"), and the history of the target's final
     hidden states [B, S, H] ("history": h_p written when position p is verified). Draft 1 reads
     h at the pending token's predecessor (zeros for a one-token row); drafts 2..k feed the head
-    its own output. After acceptance the head re-runs over the k+1 verified positions with the
-    target's hidden states, so its KV holds what the target saw (the draft passes' entries are
-    overwritten).
+    its own output. After acceptance the head re-runs over the k+1 positions of the accepted
+    path with the target's hidden states, so its KV holds what the target saw (the draft passes'
+    entries are overwritten).
     """
 
     def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, tree: Tree, *, taps: int = 1,

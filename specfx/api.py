@@ -29,7 +29,7 @@ class SpeculativeModel:
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
                  sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
         self.model = model.eval()
-        drafter = parse_draft(draft)
+        drafter = pipeline.resolve_drafter(model, parse_draft(draft))
         tree = getattr(drafter, "tree", None)
         if tree is not None and num_speculative_tokens not in (None, len(tree)):
             raise ValueError(f"draft {drafter}: the tree sets the drafts per step (depth {len(tree)}); "

@@ -166,6 +166,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     """
     import specfx
     from specfx.drafters import default_exit_layer, parse_draft
+    from specfx.pipeline import resolve_drafter
 
     device = next(model.parameters()).device
     encoded = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in prompts]
@@ -193,7 +194,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         if base.startswith(SPECFX_PREFIX):
             draft = name[len(SPECFX_PREFIX):]
             log(f"[bench] {name}: compiling ({backend})")
-            tree = getattr(parse_draft(draft), "tree", None)          # a tree sets its own depth
+            tree = getattr(resolve_drafter(model, parse_draft(draft)), "tree", None)   # a tree sets its own depth
             fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
                                   max_seq_len=max_seq_len, backend=backend)
             compile_s = fast.capture_s + fast.compile_s

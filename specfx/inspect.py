@@ -75,7 +75,9 @@ def inspect_model(model, draft, *, name: str = "model", k: int | None = None,
     the skinny-matmul rewrite included on CPU), not compiled."""
     if skinny_matmul is None:
         skinny_matmul = next(model.parameters()).device.type == "cpu"
-    if getattr(specfx.parse_draft(draft), "tree", None) is not None:
+    from specfx.pipeline import resolve_drafter
+
+    if getattr(resolve_drafter(model, specfx.parse_draft(draft)), "tree", None) is not None:
         k = None                    # the tree sets the drafts per step
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
                           backend="eager", warmup=False, skinny_matmul=skinny_matmul)

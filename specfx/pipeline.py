@@ -8,6 +8,7 @@ configs); a new drafter adds a config in `specfx.drafters` and a builder here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,9 +23,9 @@ from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StructureError, StructureMap, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
-from specfx.runtime.tree import Tree
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
                                  NoDrafter, SpecStep, trace_step)
+from specfx.runtime.tree import Tree
 
 PREFILL_CHUNK = 64
 KV_ALIGN = 16                        # the KV length is a multiple of this
@@ -142,8 +143,8 @@ class BuildContext:
         return self.seq_len - 1
 
     def verify(self, passes: list[Pass] = (), *, drafts: int | None = None, name: str = "verify") -> fx.GraphModule:
-        """The target over the pending token and `drafts` (default k) drafts, given the KV slots
-        and the mask (see `SpecStep`)."""
+        """The target over the pending token and `drafts` drafts (default: the tree's nodes),
+        given the KV slots and the mask (see `SpecStep`)."""
         width = (self.tree.size if drafts is None else drafts) + 1
         return self.pm.run_all([*passes, *self.tail()], self.target.capture(width, explicit_mask=True), graph=name)
 
@@ -366,7 +367,11 @@ def _build_draft_model(ctx: BuildContext) -> Drafting:
 
 
 def resolve_drafter(model, drafter):
-    """Fill in model defaults (the exit layer) so the config names what will run."""
+    """Fill in model defaults (the exit layer, an MTP head's tree: `config.specfx_exit_layer`,
+    `config.specfx_mtp_tree`, set by the sweeps) so the config names what will run."""
     if isinstance(drafter, EarlyExit) and drafter.layer is None:
         return EarlyExit(layer=default_exit_layer(model))
+    tree = getattr(model.config, "specfx_mtp_tree", None)
+    if isinstance(drafter, MTPHead) and drafter.tree is None and tree:
+        return dataclasses.replace(drafter, tree=tuple(tree))
     return drafter

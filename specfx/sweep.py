@@ -1,4 +1,4 @@
-"""Exit-layer sweep: find the (exit layer, k) sweet spot of a LayerSkip model.
+"""Sweeps: the (exit layer, k) sweet spot of a LayerSkip model, and the best draft tree.
 
 For every exit layer E it measures, on real prompts, how often each draft position is
 accepted (one run at the largest k: `a_i(E)` = P(the first i drafts are accepted)). For every
@@ -10,6 +10,10 @@ predicts tokens per second with the expected-tokens form of Leviathan et al.'s s
     speedup vs none          = T(E, k) * decode / t(E, k)
 
 where `decode` is one plain decoding step. The best pair is then checked with a real run.
+
+`sweep_tree` does the same over draft-tree shapes of one drafter (an MTP head by default): the
+measured tokens per target call of each shape (greedy, on the prompts), its draft and verify
+times, and the predicted tokens per second, against the chain of k drafts.
 """
 
 from __future__ import annotations
@@ -60,6 +64,77 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
                 f"predicted {row['predicted_speedup']:.2f}x vs plain decoding")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
     return result
+
+
+TREES = ((2, 1, 1), (3, 1, 1), (3, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
+
+
+def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
+    """`draft` with a tree: "mtp" -> "mtp:tree=4x2x2x1"."""
+    return f"{draft}:tree={'x'.join(map(str, tree))}"
+
+
+def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: int = 3, trees=TREES,
+               max_new_tokens: int = 64, num_prompts: int = 8, backend: str = "inductor", log=print) -> SweepResult:
+    """Each tree shape (and the chain of k) of `draft`: tokens per target call, draft and verify
+    ms, and predicted tokens per second relative to plain decoding and to the chain."""
+    import specfx
+
+    encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
+    max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
+    result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, draft=draft, k=k,
+                                       trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len))
+    result.decode_ms = _profiled(model, "none", 1, encoded[0], max_seq_len, backend).profile()[1] * 1e3
+    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
+    for tree in ((1,) * k, *trees):           # the chain first, spelled as a tree (a saved default tree aside)
+        spec = tree_spec(draft, tree)
+        fast = specfx.compile(model, draft=spec, max_seq_len=max_seq_len, backend="eager")
+        calls = accepted = 0
+        for ids in encoded:
+            fast.generate(ids, max_new_tokens=max_new_tokens)
+            calls += fast.last_stats.target_calls
+            accepted += fast.last_stats.mean_accepted * fast.last_stats.target_calls
+        tokens = accepted / max(calls, 1)
+        draft_s, verify_s = _profiled(model, spec, None, encoded[0], max_seq_len, backend).profile()
+        step_ms = (draft_s + verify_s) * 1e3
+        row = dict(tree=None if fast.graphs.tree.is_chain else list(tree), nodes=fast.graphs.tree.size, tokens_per_call=round(tokens, 3),
+                   draft_ms=round(draft_s * 1e3, 3), verify_ms=round(verify_s * 1e3, 3), step_ms=round(step_ms, 3),
+                   predicted_tokens_per_s=round(tokens / step_ms * 1e3, 1),
+                   predicted_speedup=round(tokens * result.decode_ms / step_ms, 3))
+        row["vs_chain"] = round(row["predicted_speedup"] / result.rows[0]["predicted_speedup"], 3) if result.rows else 1.0
+        result.rows.append(row)
+        log(f"[sweep] {spec}: {tokens:.2f} tokens/call, step {step_ms:.2f} ms, predicted "
+            f"{row['predicted_tokens_per_s']:.0f} tok/s, {row['vs_chain']:.2f}x the chain")
+    result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
+    return result
+
+
+def render_tree_sweep(result: SweepResult):
+    from rich.table import Table
+
+    t = Table(title=f"tree sweep of {result.settings['draft']} (plain decode step {result.decode_ms:.2f} ms; "
+                    f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
+    for col in ("tree", "nodes", "tokens/call", "draft ms", "verify ms", "step ms", "predicted tok/s", "vs chain"):
+        t.add_column(col, justify="right")
+    for r in result.rows:
+        name = "x".join(map(str, r["tree"])) if r["tree"] else f"chain of {result.settings['k']}"
+        t.add_row(name, str(r["nodes"]), f"{r['tokens_per_call']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}",
+                  f"{r['step_ms']:.2f}", f"{r['predicted_tokens_per_s']:.0f}", f"{r['vs_chain']:.2f}x",
+                  style="bold green" if r is result.best else None)
+    best = result.best["tree"]
+    t.caption = "best: " + ("x".join(map(str, best)) if best else f"the chain of {result.settings['k']}")
+    return t
+
+
+def save_tree_default(checkpoint: str | Path, best: dict) -> None:
+    """Record the best tree as the model's default MTP tree in config.json (`specfx_mtp_tree`,
+    read by `specfx.MTPHead()`); the chain winning removes it."""
+    path = Path(checkpoint) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("specfx_mtp_tree", None)
+    if best["tree"]:
+        cfg["specfx_mtp_tree"] = best["tree"]
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _profiled(model, draft, k, prompt, max_seq_len, backend):

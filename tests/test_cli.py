@@ -76,6 +76,40 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     torch._dynamo.reset()
 
 
+def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path, capsys):
+    """`specfx bench --sweep-tree`: the chain and each tree shape of an MTP head, with tokens
+    per call and predicted speed; --save-default stores the best tree (none if the chain wins),
+    which `MTPHead()` then drafts."""
+    import shutil
+
+    import specfx
+    from specfx.cli.common import load_model
+    from specfx.mtp import new_head, save_head
+
+    path = shutil.copytree(checkpoint, tmp_path / "copy")   # --save-default edits config.json
+    model, _, _ = load_model(str(path))
+    head = save_head(new_head(model), tmp_path / "head", model)
+    out = tmp_path / "sweep.json"
+    rc = main(["bench", str(path), "--sweep-tree", "--sweep-draft", f"mtp:{head}", "--trees", "2x1,3x2",
+               "--save-default", "-k", "2", "--num-prompts", "1", "--max-new-tokens", "6", "--backend", "eager",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2]] and [r["nodes"] for r in rows] == [2, 3, 5]
+    assert all(r["step_ms"] > 0 and r["tokens_per_call"] >= 1 for r in rows) and data["best"] in rows
+    assert "tree sweep" in capsys.readouterr().out
+    saved = json.loads((path / "config.json").read_text()).get("specfx_mtp_tree")
+    assert saved == data["best"]["tree"]
+    # The saved tree (or a chosen one, where the chain won) is what MTPHead() drafts.
+    json.dump({**json.loads((path / "config.json").read_text()), "specfx_mtp_tree": [2, 1]},
+              open(path / "config.json", "w"))
+    model2, _, _ = load_model(str(path))
+    fast = specfx.compile(model2, draft=specfx.MTPHead(str(head)), max_seq_len=32, backend="eager")
+    assert fast.graphs.tree == specfx.runtime.tree.Tree.spine((2, 1)) and fast.num_speculative_tokens == 2
+    torch._dynamo.reset()
+
+
 def test_inspect_reports_structure_passes_and_a_clean_step(checkpoint, tmp_path, capsys):
     out = tmp_path / "inspect.json"
     rc = main(["inspect", str(checkpoint), "--draft", "early-exit:2", "-k", "3", "--graph", "verify",

@@ -12,6 +12,7 @@ EPILOG = """examples:
   specfx bench pycoder --methods hf-greedy,specfx:none,specfx:early-exit --max-new-tokens 128 --json out.json
   specfx bench ./my-hf-checkpoint --methods hf-greedy,specfx:early-exit:4 -k 3
   specfx bench pycoder --sweep-exit
+  specfx bench pycoder --sweep-tree --save-default
   specfx bench pycoder --sample --temperature 0.7
   specfx bench pycoder --task editing --methods hf-greedy,hf-prompt-lookup,specfx:none,specfx:ngram:3
   specfx bench pycoder --methods hf-greedy,hf-assisted,specfx:draft-model
@@ -49,9 +50,45 @@ def add_parser(sub):
     p.add_argument("--top-k", type=int, default=0, help="with --sample (0: off)")
     p.add_argument("--sweep-exit", action="store_true",
                    help="try every exit layer and k in {2,3,4,6}; print the sweet spot")
+    p.add_argument("--sweep-tree", action="store_true",
+                   help="try draft-tree shapes of --sweep-draft against its chain of k; print the best")
+    p.add_argument("--sweep-draft", default="mtp",
+                   help="with --sweep-tree: the drafter (default: the model's MTP head)")
+    p.add_argument("--trees", default=None,
+                   help="with --sweep-tree: the shapes, comma-separated (default 2x1x1,3x1x1,3x2x1,2x2x2x2,4x2x2x1)")
     p.add_argument("--save-default", action="store_true",
-                   help="with --sweep-exit: store the best (exit layer, k) in the model's config.json")
+                   help="with --sweep-exit: store the best (exit layer, k) in the model's config.json; with "
+                        "--sweep-tree: the best tree as the model's default MTP tree")
     return p
+
+
+def _tree_shape(text: str) -> tuple[int, ...]:
+    parts = text.strip().split("x")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--trees: expected shapes like 4x2x2x1, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _sweep_tree(args, model, tok, prompts, path, console) -> int:
+    from specfx.sweep import TREES, render_tree_sweep, save_tree_default, sweep_tree
+
+    if args.save_default and not args.sweep_draft.startswith("mtp"):
+        raise ValueError("--save-default with --sweep-tree saves an MTP head's default tree: --sweep-draft mtp[:HEAD]")
+    k = args.num_speculative_tokens or getattr(model.config, "specfx_num_speculative_tokens", None) or 3
+    trees = TREES if not args.trees else tuple(_tree_shape(t) for t in args.trees.split(","))
+    result = sweep_tree(model, tok, prompts, draft=args.sweep_draft, k=k, trees=trees, max_new_tokens=args.max_new_tokens,
+                        num_prompts=args.num_prompts or 8, backend=args.backend,
+                        log=lambda m: console.print(m, style="dim", markup=False))
+    console.print(render_tree_sweep(result))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    if args.save_default:
+        save_tree_default(path, result.best)
+        best = result.best["tree"]
+        console.print(f"saved default MTP tree {best} in {path}/config.json" if best else
+                      f"the chain of {k} is best: no default tree in {path}/config.json")
+    return 0
 
 
 def run(args) -> int:
@@ -65,6 +102,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tok, path = load_model(args.model, args.dtype)
     prompts = load_prompts(args.prompts, args.num_prompts, args.task)
+    if args.sweep_tree:
+        return _sweep_tree(args, model, tok, prompts, path, console)
     if args.sweep_exit:
         from specfx.sweep import render_sweep, save_default, sweep_exit
 
