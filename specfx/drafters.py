@@ -146,8 +146,19 @@ def _check_tree(config) -> None:
                          "ints >= 1, e.g. (4, 2, 2, 1)")
 
 
+def tree_name(tree: tuple[int, ...]) -> str:
+    """"4x2x2x1" for (4, 2, 2, 1): how specs, the CLI and the sweep write a tree."""
+    return "x".join(map(str, tree))
+
+
+def parse_tree(text: str) -> tuple[int, ...] | None:
+    """(4, 2, 2, 1) from "4x2x2x1"; None when `text` is not of that form."""
+    parts = text.strip().split("x")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
+
+
 def _tree_suffix(tree) -> str:
-    return "" if tree is None else ":tree=" + "x".join(map(str, tree))
+    return "" if tree is None else ":tree=" + tree_name(tree)
 
 
 def _split_tree(spec: str, arg: str) -> tuple[str, tuple[int, ...] | None]:
@@ -157,10 +168,10 @@ def _split_tree(spec: str, arg: str) -> tuple[str, tuple[int, ...] | None]:
         return arg, None
     if head and not head.endswith(":"):
         raise ValueError(f"bad draft spec {spec!r}: the tree goes last, after a colon, e.g. mtp:pycoder-mtp:tree=4x2x2x1")
-    parts = tree.split("x")
-    if not all(p.isdigit() for p in parts):
+    shape = parse_tree(tree)
+    if shape is None:
         raise ValueError(f"bad draft spec {spec!r}: expected tree=<candidates per depth>, e.g. tree=4x2x2x1")
-    return head[:-1], tuple(int(p) for p in parts)
+    return head[:-1], shape
 
 
 def parse_draft(spec) -> DrafterConfig:

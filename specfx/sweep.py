@@ -71,7 +71,9 @@ TREES = ((2, 1, 1), (3, 1, 1), (3, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
 
 def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
     """`draft` with a tree: "mtp" -> "mtp:tree=4x2x2x1"."""
-    return f"{draft}:tree={'x'.join(map(str, tree))}"
+    from specfx.drafters import tree_name
+
+    return f"{draft}:tree={tree_name(tree)}"
 
 
 def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: int = 3, trees=TREES,
@@ -112,17 +114,19 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
 def render_tree_sweep(result: SweepResult):
     from rich.table import Table
 
+    from specfx.drafters import tree_name
+
     t = Table(title=f"tree sweep of {result.settings['draft']} (plain decode step {result.decode_ms:.2f} ms; "
                     f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
     for col in ("tree", "nodes", "tokens/call", "draft ms", "verify ms", "step ms", "predicted tok/s", "vs chain"):
         t.add_column(col, justify="right")
     for r in result.rows:
-        name = "x".join(map(str, r["tree"])) if r["tree"] else f"chain of {result.settings['k']}"
+        name = tree_name(r["tree"]) if r["tree"] else f"chain of {result.settings['k']}"
         t.add_row(name, str(r["nodes"]), f"{r['tokens_per_call']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}",
                   f"{r['step_ms']:.2f}", f"{r['predicted_tokens_per_s']:.0f}", f"{r['vs_chain']:.2f}x",
                   style="bold green" if r is result.best else None)
     best = result.best["tree"]
-    t.caption = "best: " + ("x".join(map(str, best)) if best else f"the chain of {result.settings['k']}")
+    t.caption = "best: " + (tree_name(best) if best else f"the chain of {result.settings['k']}")
     return t
 
 

@@ -63,10 +63,20 @@ def add_parser(sub):
 
 
 def _tree_shape(text: str) -> tuple[int, ...]:
-    parts = text.strip().split("x")
-    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+    from specfx.drafters import parse_tree
+
+    shape = parse_tree(text)
+    if shape is None or min(shape) < 1:
         raise ValueError(f"--trees: expected shapes like 4x2x2x1, got {text!r}")
-    return tuple(int(p) for p in parts)
+    return shape
+
+
+def _report_sweep(result, table, args, console) -> None:
+    """Print a sweep's table and write its JSON where --json says."""
+    console.print(table)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
 
 
 def _sweep_tree(args, model, tok, prompts, path, console) -> int:
@@ -79,10 +89,7 @@ def _sweep_tree(args, model, tok, prompts, path, console) -> int:
     result = sweep_tree(model, tok, prompts, draft=args.sweep_draft, k=k, trees=trees, max_new_tokens=args.max_new_tokens,
                         num_prompts=args.num_prompts or 8, backend=args.backend,
                         log=lambda m: console.print(m, style="dim", markup=False))
-    console.print(render_tree_sweep(result))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
+    _report_sweep(result, render_tree_sweep(result), args, console)
     if args.save_default:
         save_tree_default(path, result.best)
         best = result.best["tree"]
@@ -109,10 +116,7 @@ def run(args) -> int:
 
         result = sweep_exit(model, tok, prompts, max_new_tokens=args.max_new_tokens, backend=args.backend,
                             log=lambda m: console.print(m, style="dim", markup=False))
-        console.print(render_sweep(result))
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result.to_dict(), f, indent=1)
+        _report_sweep(result, render_sweep(result), args, console)
         if args.save_default:
             save_default(path, result.best)
             console.print(f"saved default exit layer {result.best['exit_layer']}, k={result.best['k']} in {path}/config.json")
