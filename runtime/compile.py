@@ -3,7 +3,8 @@
 The runtime's graphs are always called with the same state tensors, so nothing needs checking
 per call. `compile_graph(gm, "inductor")` hands the FX graph to Inductor directly (on the first
 call's arguments) and later calls run the compiled code with no guard evaluation; on the CPU
-the compiled code's wrapper is C++ too (`cpp_wrapper`), so a step costs no Python per kernel.
+the compiled code's wrapper is C++ too (`cpp_wrapper`), so a step costs no Python per kernel,
+and it takes its buffers from one pool per call (`memory_planning`).
 Every size is static except those named in `dynamic` (input name -> dims): the attention
 span's length (`span`, see `specfx.attention`) and a prefill's width (dim 1 of `input_ids`,
 `positions`, `hidden`) stay symbolic, so one compiled graph serves every span and width. A graph input that is a list of tensors (the step's `kv`) becomes one input
@@ -24,6 +25,10 @@ WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 # matmuls, attention), which then issue twice the floating-point instructions. The rounding
 # differs from an unfused product and sum as a different summation order does.
 CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
+# How the compiled graph's C++ wrapper allocates on the CPU: its intermediate buffers (a few
+# hundred per step) come from one pool allocated per call instead of one allocation each,
+# which costs about 0.1 ms a step. Kernels and numerics are unchanged.
+CPU_WRAPPER = {"cpp_wrapper": True, "memory_planning": True}
 
 
 def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic: dict[str, tuple[int, ...]] | None = None):
@@ -62,7 +67,7 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
-    with torch.no_grad(), config.patch(cpp_wrapper=cpu, **(CPU_INDUCTOR if cpu else {})):
+    with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
 
 
