@@ -10,6 +10,12 @@
   al. (2022) / Chen et al. (2023). Draft i is accepted while `u_i * q_i(x_i) < p_i(x_i)`; at the
   first rejection the token is drawn from `normalize(max(p - q, 0))`; if all k are accepted the
   bonus token is drawn from `p_k`. The output keeps the target's distribution `p` exactly.
+- `tree_speculative_accept(...)`: the same over a spine tree (`Tree.spine`), whose candidates at
+  each depth are drawn from q without replacement (`race_top`): recursive rejection over
+  siblings (SpecInfer's multi-draft sampling; Jeon et al. 2024 for draws without replacement).
+  Candidate i is judged against the residual left by candidates 1..i-1 with q renormalized
+  over the tokens not yet drawn; an accepted spine node descends, an accepted other candidate
+  (a leaf) ends the path with a bonus token from the target at its row.
 
 Random numbers come in as tensors (the runtime draws them from its own `torch.Generator`), so
 every function here is pure and can be tested directly.
@@ -105,6 +111,20 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
+def race_top(probs: torch.Tensor, noise: torch.Tensor, width: int) -> torch.Tensor:
+    """`width` draws without replacement from probs along the last dim, in draw order ([..., width]):
+    the first is `race(probs, noise)`, each next one the race's winner among the tokens left."""
+    return (probs / noise).topk(width, -1).indices
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)) along the last dim; p where that has no mass (p == q: a
+    rejection then has probability 0), never NaN."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
 def speculative_accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
                        uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of k drafts.
@@ -124,12 +144,69 @@ def speculative_accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Ten
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)             # [B, k+1, V]
     at = n[:, None, None].expand(-1, 1, p.shape[-1])
     p_n, q_n = p.gather(1, at)[:, 0], q_pad.gather(1, at)[:, 0]       # [B, V]
-    residual = (p_n - q_n).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    # p == q leaves no residual mass (rejection then has probability 0); fall back to p, no NaN.
-    dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
-    token = race(dist, noise)                                         # [B]
+    token = race(_residual(p_n, q_n), noise)                          # [B]
     j = torch.arange(k + 1, device=draft_tokens.device)
     drafts = torch.cat([draft_tokens, draft_tokens[:, :1]], 1)        # [B, k+1]
     emitted = torch.where(j[None] < n[:, None], drafts, token[:, None])
     return emitted, n
+
+
+def tree_speculative_accept(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor,
+                            noise: torch.Tensor, branching: tuple[int, ...]):
+    """Rejection sampling over a spine tree (`Tree.spine(branching)`).
+
+    drafts [B, N]: the nodes, depth by depth, the b_d candidates at depth d+1 drawn from q[:, d]
+    without replacement in draw order (the first is the spine node); q [B, D, V] the drafter's
+    distribution at each depth (along the spine); p [B, N+1, V] the target's at each row (row 0
+    the pending token, row i+1 node i); uniforms [B, N] ~ U[0, 1), one per node; noise [B, V] ~ Exp(1).
+
+    At each depth the candidates are judged in draw order, each against what the ones before it
+    left: target p_i, with p_1 the target at the spine row above and, after a rejection,
+    p_{i+1} = normalize(max(p_i - q_i, 0)), where q_i is q renormalized over the tokens not yet
+    drawn (the law of draw i given draws 1..i-1). Candidate i is accepted when
+    `u * q_i(x_i) < p_i(x_i)`. An accepted spine node (above the last depth) descends to the next
+    depth; an accepted leaf ends the path, and the bonus token is drawn from the target at its
+    row; when every candidate at a depth is rejected, the token is drawn from the last residual.
+    A candidate of q-probability 0 (q's support was used up) is skipped. Each depth's
+    randomness is its own, so judging every depth and keeping the reached ones is exact.
+
+    Returns (emitted [B, D+1], n [B], path [B, D+1]) as `greedy_accept` does for a tree.
+    """
+    B, V = p.shape[0], p.shape[-1]
+    D = len(branching)
+    rows = torch.arange(B, device=p.device)
+    alive = torch.ones(B, dtype=torch.bool, device=p.device)            # still on the spine
+    n = torch.zeros(B, dtype=torch.long, device=p.device)
+    final = p[:, 0]                                                     # the last token's distribution
+    tokens, path = [], [torch.zeros_like(n)]
+    node, spine_row = 0, 0
+    for d, width in enumerate(branching):
+        p_i, q_i = p[:, spine_row], q[:, d]
+        taken = torch.zeros_like(alive)
+        row = torch.zeros_like(n)                                       # the accepted candidate's row
+        for i in range(width):
+            x = drafts[:, node + i]
+            q_x, p_x = q_i[rows, x], p_i[rows, x]
+            valid = (q_x > 0) & ~taken
+            ok = valid & (uniforms[:, node + i] * q_x < p_x)
+            row = torch.where(ok, node + i + 1, row)
+            taken = taken | ok
+            rejected = valid & ~ok
+            p_i = torch.where(rejected[:, None], _residual(p_i, q_i), p_i)
+            left = q_i.scatter(-1, x[:, None], 0.0)                         # the tokens not yet drawn
+            mass = left.sum(-1, keepdim=True)
+            q_i = torch.where(rejected[:, None], left / mass.clamp(min=1e-30), q_i)
+        descend = taken & (row == node + 1) & (d < D - 1)               # the spine node, with children
+        stop = alive & ~descend
+        final = torch.where(stop[:, None], torch.where(taken[:, None], p[rows, row], p_i), final)
+        accepted = alive & taken
+        n = n + accepted
+        tokens.append(drafts[rows, (row - 1).clamp(min=0)])
+        path.append(torch.where(accepted, row, path[-1]))
+        alive = alive & descend
+        spine_row, node = node + 1, node + width
+    token = race(final, noise)                                          # [B]: the bonus or resampled token
+    j = torch.arange(D + 1, device=p.device)
+    drafted = torch.stack([*tokens, token], 1)                          # [B, D+1]
+    emitted = torch.where(j[None] < n[:, None], drafted, token[:, None])
+    return emitted, n, torch.stack(path, 1)

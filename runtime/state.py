@@ -84,7 +84,7 @@ class StaticState:
     done: torch.Tensor         # [B] bool
     eos: torch.Tensor          # [MAX_EOS_IDS] long, end-of-sequence ids, -1 padded
     accept_hist: torch.Tensor  # [k+1] long: steps (per active row) that accepted n drafts
-    uniforms: torch.Tensor     # [B, k] float: acceptance draws (sampling)
+    uniforms: torch.Tensor     # [B, N] float: acceptance draws, one per draft node (sampling)
     noise: torch.Tensor        # [B, k+1, V] float: Exp(1) draws for the exponential race (sampling)
     temperature: torch.Tensor  # [1] float
     top_k: torch.Tensor        # [1] long, 0: off
@@ -97,12 +97,14 @@ class StaticState:
 
     @classmethod
     def allocate(cls, *, batch_size: int, seq_len: int, k: int, vocab_size: int,
-                 kv: list[torch.Tensor], device) -> StaticState:
+                 kv: list[torch.Tensor], device, nodes: int | None = None) -> StaticState:
+        """State for steps of at most k drafts accepted (the tree's depth) over `nodes` draft
+        nodes (default k: a chain)."""
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
         return cls(
             tokens=z(batch_size, seq_len), lengths=z(batch_size), max_lens=z(batch_size),
             done=z(batch_size, dt=torch.bool), eos=torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device),
-            accept_hist=z(k + 1), uniforms=z(batch_size, k, dt=torch.float32),
+            accept_hist=z(k + 1), uniforms=z(batch_size, k if nodes is None else nodes, dt=torch.float32),
             noise=torch.ones(batch_size, k + 1, vocab_size, device=device),
             temperature=torch.ones(1, device=device), top_k=z(1), top_p=torch.ones(1, device=device),
             spans=z(seq_len, dt=torch.uint8), kv=kv,

@@ -25,8 +25,9 @@ step then moves the accepted path's KV into place (`move_path_kv`) and they refi
 
 With `sample=True` (or the name of a `warp` variant, see `sampling.filters_for`) a step
 samples instead of taking the argmax: drafts are drawn from the drafter's warped distribution
-q, and `speculative_accept` (rejection sampling) keeps the target's distribution p. Random
-numbers are step inputs, drawn by the runtime beforehand.
+q (a spine tree's candidates at a depth without replacement), and rejection sampling
+(`speculative_accept`, over a tree `tree_speculative_accept`) keeps the target's distribution
+p. Random numbers are step inputs, drawn by the runtime beforehand.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import fx, nn
 
 from specfx.runtime.accept import commit, greedy_accept
 from specfx.runtime.lookup import ngram_propose
-from specfx.runtime.sampling import race, speculative_accept, warp
+from specfx.runtime.sampling import race, race_top, speculative_accept, tree_speculative_accept, warp
 from specfx.runtime.state import KVLayout
 from specfx.runtime.tree import Tree, move_path_kv
 
@@ -58,14 +59,18 @@ def propose(logits, sample, noise, warping):
 
 def candidates(logits, width: int, sample, noise, warping):
     """A drafter's `width` candidates at one depth of a spine tree, from logits [B, V]:
-    (the spine token [B, 1], all candidates [B, width] in rank order, q or None). One candidate
-    is `propose`'s token; more are the top `width` (greedy only: `SpecStep` refuses sampling
-    over a tree), the first of them the spine token."""
+    (the spine token [B, 1], all candidates [B, width], q or None). One candidate is `propose`'s
+    token; more are the top `width` in rank order, or, when sampling, `width` draws from q
+    without replacement in draw order (`race_top`). The first is the spine token."""
     if width == 1:
         x, q = propose(logits, sample, noise, warping)
         return x, x, q
-    top = logits.topk(width, -1).indices                              # [B, width]
-    return top[:, :1], top, None
+    if not sample:
+        top = logits.topk(width, -1).indices                          # [B, width]
+        return top[:, :1], top, None
+    q = warp(logits, *warping, filters=_filters(sample))
+    drawn = race_top(q, noise, width)
+    return drawn[:, :1], drawn, q
 
 
 @dataclass
@@ -89,8 +94,9 @@ class StepInputs:
 
 @dataclass
 class Proposal:
-    """A drafter's proposal: tokens [B, N] in the drafter's tree, their draft probabilities
-    q [B, N, V] when sampling (None when greedy), and what the verify graph reads in place of
+    """A drafter's proposal: tokens [B, N] in the drafter's tree, the drafter's probabilities
+    q [B, D, V] at each depth when sampling (None when greedy; a chain's depth is its node; a
+    spine tree's siblings share their depth's), and what the verify graph reads in place of
     token ids, when it is not the tokens (early exit: the exit hidden states [B, N+1, H])."""
 
     tokens: torch.Tensor | None        # None: no drafts (N = 0)
@@ -284,8 +290,8 @@ class SpecStep(nn.Module):
                  cache_slots: int, sample=False):
         super().__init__()
         self.cache_slots = cache_slots                                # the KV buffers' slots: the mask's width
-        if sample and not drafter.tree.is_chain:
-            raise NotImplementedError("sampling over a draft tree is not supported yet; draft a chain")
+        if sample and not drafter.tree.is_chain and drafter.tree.branching is None:
+            raise NotImplementedError(f"sampling over {drafter.tree} is not supported: draft a spine tree or a chain")
         self.drafter, self.verify, self.layout, self.max_pos, self.sample = drafter, verify, layout, max_pos, sample
 
     @property
@@ -326,6 +332,9 @@ class SpecStep(nn.Module):
         if p.tokens is None:
             token = race(target[:, 0], noise)[:, None]
             return token, token[:, 0] * 0, None
+        tree = self.drafter.tree
+        if not tree.is_chain:
+            return tree_speculative_accept(p.tokens, p.q, target, uniforms, noise, tree.branching)
         return (*speculative_accept(p.tokens, p.q, target, uniforms, noise), None)
 
 

@@ -177,8 +177,8 @@ def verify_files(folder: Path, manifest: dict, names: list[str]) -> None:
 
 def _sample_step(manifest: dict, program: Callable) -> Callable:
     if "sample_step" not in manifest["programs"]:
-        raise NotImplementedError(f"this artifact's step drafts a tree ({manifest_tree(manifest)}); sampling over a "
-                                  "draft tree is not supported yet: export a chain to sample")
+        raise NotImplementedError(f"this artifact has no sampling step (its step drafts a tree, "
+                                  f"{manifest_tree(manifest)}, exported before trees sampled): re-export it to sample")
     return program("sample_step")
 
 
@@ -194,7 +194,8 @@ def allocate_state(manifest: dict, device: torch.device) -> StaticState:
     kv = [torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
           for name, spec in layout.items() if name.startswith("kv_")]
     state = StaticState.allocate(batch_size=manifest["batch_size"], seq_len=manifest["seq_len"], k=manifest["k"],
-                                 vocab_size=manifest["vocab_size"], kv=kv, device=device)
+                                 nodes=manifest_tree(manifest).size, vocab_size=manifest["vocab_size"], kv=kv,
+                                 device=device)
     ours = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.tensors().items()}
     if ours != layout:
         raise ValueError(f"the artifact's state layout differs from this runtime's: {sorted(layout)} vs "

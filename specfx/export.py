@@ -164,10 +164,9 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     step_inputs = [*STEP_INPUTS, *kv_names]
     programs["step"] = (graphs.step, st.step_args(), {"role": "step", "sample": False, "inputs": step_inputs,
                                                       "outputs": []})
-    if graphs.tree.is_chain:           # a tree's step does not sample (yet): its artifact has no sampling step
-        programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
-                                   {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
-    if len(programs) != len(graphs.prefills) + 2 + graphs.tree.is_chain:
+    programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
+                               {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
+    if len(programs) != len(graphs.prefills) + 3:
         raise ValueError(f"program names must be unique, got prefills {[p.name for p in graphs.prefills]}")
     return programs
 

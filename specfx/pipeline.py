@@ -233,7 +233,7 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
     if len(kv) != len(drafting.layout):
         raise AssertionError(f"{drafter}: {len(kv)} KV buffers, layout {drafting.layout.groups}")
     step = drafting.make_step(False)
-    state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=step.depth,
+    state = StaticState.allocate(batch_size=batch_size, seq_len=seq_len, k=step.depth, nodes=step.k,
                                  vocab_size=target.structure.vocab_size, kv=kv, device=kv[0].device)
     parts = drafting.parts
     return Graphs(

@@ -8,7 +8,9 @@ import torch
 import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
 from specfx.passes import find_host_syncs
-from specfx.runtime.sampling import TOP_K_CAP, filters_for, race, speculative_accept, warp
+from specfx.runtime.sampling import (TOP_K_CAP, filters_for, race, race_top, speculative_accept,
+                                     tree_speculative_accept, warp)
+from specfx.runtime.tree import Tree
 
 
 def _onehot(tokens, V):
@@ -93,6 +95,67 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert max(_emitted_tv(100_000, accept_always=True)) > 0.05
 
 
+def _tree_tv(N, branching, V=4, seed=0, with_replacement=False, accept_all=False) -> float:
+    """Total variation between the first D+1 tokens (D = the tree's depth) and their exact joint
+    law under a random target, when a step over a spine tree emits n+1 of them and the rest
+    come straight from the target (as later steps would draw them)."""
+    g = torch.Generator().manual_seed(seed)
+    D = len(branching)
+    exp = lambda *shape: torch.empty(*shape).exponential_(generator=g)          # noqa: E731
+    # The target's p(. | prefix) and the drafter's q(. | spine prefix), by prefix (index in base V).
+    P = [torch.softmax(torch.randn(V ** d, V, generator=g) * 1.5, -1) for d in range(D + 1)]
+    Q = [torch.softmax(torch.randn(V ** d, V, generator=g) * 1.5, -1) for d in range(D)]
+    Q[0][:, -1] = 0                     # q's support (3 tokens) runs out before a width of 3 does
+    Q[0] /= Q[0].sum(-1, keepdim=True)
+
+    def index(tokens):
+        i = torch.zeros(N, dtype=torch.long)
+        for t in tokens:
+            i = i * V + t
+        return i
+
+    drafts, qs, spine = [], [], []
+    for d, width in enumerate(branching):
+        q = Q[d][index(spine)]
+        cand = torch.stack([race(q, exp(N, V)) for _ in range(width)], 1) if with_replacement \
+            else race_top(q, exp(N, V), width)
+        drafts.append(cand)
+        qs.append(q)
+        spine.append(cand[:, 0])
+    drafts = torch.cat(drafts, 1)                                               # [N, nodes]
+    tree = Tree.spine(branching)
+    p = torch.stack([P[len(path) - 1][index([drafts[:, r - 1] for r in path[1:]])]
+                     for path in ([a for a in range(tree.size + 1) if tree.ancestors[r][a]]
+                                  for r in range(tree.size + 1))], 1)          # [N, nodes + 1, V]
+    u = torch.zeros(N, tree.size) if accept_all else torch.rand(N, tree.size, generator=g)
+    emitted, n, path = tree_speculative_accept(drafts, torch.stack(qs, 1), p, u, exp(N, V), branching)
+    assert torch.equal(path[:, 0], torch.zeros(N, dtype=torch.long)) and (n <= D).all()
+    tokens = []
+    for j in range(D + 1):
+        tokens.append(torch.where(j <= n, emitted[:, j], race(P[j][index(tokens)], exp(N, V))))
+    counts = torch.bincount(index(tokens), minlength=V ** (D + 1)).float()
+    exact = torch.ones(1)
+    for d in range(D + 1):              # joint law: p(x0) p(x1 | x0) ... as a table over V^(D+1)
+        exact = (exact[:, None] * P[d]).reshape(-1)
+    return 0.5 * (counts / N - exact).abs().sum().item()
+
+
+@pytest.mark.parametrize("branching", [(3, 2), (2, 1, 2), (1, 3)])
+def test_tree_rejection_sampling_keeps_the_target_distribution(branching, monkeypatch):
+    """Recursive rejection over siblings drawn without replacement keeps the target's joint law
+    of the next D+1 tokens (draws with replacement too: a repeated draw is skipped); accepting
+    every draft, or judging a sibling against p instead of the residual, does not."""
+    from specfx.runtime import sampling
+
+    small, large = _tree_tv(20_000, branching), _tree_tv(200_000, branching)
+    assert large < 0.02, large          # sampling noise over 64-256 cells at N = 200k: about 0.01
+    assert large < small / 1.5          # and it shrinks with N (1/sqrt(10) expected)
+    assert _tree_tv(200_000, branching, with_replacement=True) < 0.02
+    assert _tree_tv(200_000, branching, accept_all=True) > 0.1
+    monkeypatch.setattr(sampling, "_residual", lambda p, q: p)
+    assert _tree_tv(200_000, branching) > 0.03
+
+
 def test_warp_matches_transformers_logits_processors():
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
@@ -145,15 +208,16 @@ def _exact_two_token_marginals(model, prompt, T, top_k=0, top_p=1.0):
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
-def _first_two_tv(model, draft, k, tmp_path, top_k: int = 0, top_p: float = 1.0) -> tuple[float, float]:
+def _first_two_tv(model, draft, k, tmp_path, top_k: int = 0, top_p: float = 1.0,
+                  tree: tuple[int, ...] | None = None) -> tuple[float, float]:
     """Total variation between the sampled distribution of the first two new tokens (4096 draws)
-    and their exact marginals under the model."""
+    and their exact marginals under the model (`tree`: a draft model's or MTP head's spine tree)."""
     if draft == "draft-model":
-        draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6))
+        draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6), tree=tree)
     if draft == "mtp":
         from specfx.mtp import new_head, save_head
 
-        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model), tree=tree)
     if draft in ("eagle", "eagle3", "deepseek-mtp"):       # a head in a published layout
         from specfx.heads import new_layout_head, write_layout
 
@@ -183,6 +247,15 @@ def _first_two_tv(model, draft, k, tmp_path, top_k: int = 0, top_p: float = 1.0)
 def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
     tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, k, tmp_path)
     # Sampling noise alone gives TV ~ 0.02 at N = 4096 over 16 tokens; 0.05 leaves margin.
+    assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+
+
+@pytest.mark.parametrize("draft,tree", [("mtp", (3, 2)), ("draft-model", (2, 2))])
+def test_end_to_end_distribution_over_a_draft_tree(tmp_path, draft, tree):
+    """Sampling over a spine tree (siblings drawn without replacement, recursive rejection)
+    keeps the model's distribution of the first two new tokens."""
+    tv1, tv2 = _first_two_tv(tiny_model("llama", layers=3, vocab=V_SMALL, seed=4), draft, len(tree), tmp_path,
+                             tree=tree)
     assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
 
 

@@ -178,19 +178,20 @@ def test_tree_step_is_one_graph_without_host_sync_and_round_trips_an_artifact(tm
     fast = specfx.compile(model, draft=specfx.DraftModel(_noisy_copy(model, 0.5, seed=2), tree=(2, 2)),
                           max_seq_len=48, backend="eager")
     g = fast.graphs
-    assert find_host_syncs(g.step) == []
     g.state.load_prompts([torch.ones(3, dtype=torch.long)], 4, [])
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(g.step)(*g.state.step_args())
-    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    for step in (g.step, g.fused_sample_step()):          # greedy, and sampling over the tree
+        assert find_host_syncs(step) == []
+        torch._dynamo.reset()
+        explain = torch._dynamo.explain(step)(*g.state.step_args())
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
     fast.export(tmp_path / "art", formats=("pt2",))
     loaded = specfx.load(tmp_path / "art")
     assert loaded.manifest["tree"] == list(g.tree.parents)
     ids = torch.randint(3, 32, (1, 9))
     assert torch.equal(loaded.generate(ids, max_new_tokens=16, eos_token_id=[]),
                        fast.generate(ids, max_new_tokens=16, eos_token_id=[]))
-    with pytest.raises(NotImplementedError, match="sampling over a draft tree"):
-        loaded.generate(ids, max_new_tokens=4, do_sample=True)
+    sampled = dict(max_new_tokens=16, do_sample=True, seed=3, eos_token_id=[])
+    assert torch.equal(loaded.generate(ids, **sampled), fast.generate(ids, **sampled))
 
 
 def test_tree_refusals(tmp_path):
@@ -198,9 +199,6 @@ def test_tree_refusals(tmp_path):
     draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=32, seed=8), tree=(2, 2))
     with pytest.raises(ValueError, match="the tree sets the drafts per step"):
         specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
-    fast = specfx.compile(model, draft=draft, max_seq_len=48, backend="eager")
-    with pytest.raises(NotImplementedError, match="sampling over a draft tree"):
-        fast.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=4, do_sample=True)
     for spec, message in (("mtp:tree=2x2:pycoder-mtp", "expected tree="), ("mtp:pycoder-mtptree=2", "tree goes last")):
         with pytest.raises(ValueError, match=message):
             specfx.parse_draft(spec)
