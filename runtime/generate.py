@@ -24,7 +24,6 @@ from specfx.runtime.accept import commit
 from specfx.runtime.sampling import filters_for
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 from specfx.runtime.step import propose
-from specfx.runtime.tree import Tree
 
 SPAN_ALIGN = 64      # attention spans are whole blocks of slots
 
@@ -271,10 +270,10 @@ class Runtime:
         st, gm = self.state, self.graphs.parts[name]
         kv = st.kv[self.graphs.kv_slices[name]]
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
-        width = next(n.meta["val"].shape[1] for n in inputs if n.name == "positions")
+        width = inputs[0].meta["val"].shape[1]                      # input_ids, or hidden states [B, W, H]
         pos = (last + torch.arange(width, device=self.device)).clamp(max=st.seq_len - 1)
-        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos), "span": st.span, "slots": pos,
-                  "visible": Tree.chain(width - 1).visibility(last[:, 0], kv[0].shape[2])}
+        # A verify graph takes `last` and places its rows itself (the tree_attention pass).
+        values = {"positions": pos, "input_ids": st.tokens.gather(1, pos), "span": st.span, "last": last[:, 0]}
         if exit_hidden is not None:
             values["exit_hidden"] = exit_hidden.expand(-1, width, -1).contiguous()
         args = []

@@ -4,8 +4,9 @@ Every drafter runs the same step, `SpecStep`: its drafter makes a `Proposal` (dr
 hanging off the pending token in a static `Tree`), the target verifies the pending token and
 the drafts in one pass, acceptance picks the accepted path (`greedy_accept`, or rejection
 sampling), the drafter updates what it keeps after verification, and `commit` writes the new
-tokens. The verify graph gets the rows' positions, the KV slots they write and the visibility
-mask as inputs (`Tree`): siblings share a position, never a slot. The step returns nothing: all
+tokens. The verify graph gets the pending token's position; it computes the rows' positions,
+the KV slots they write and the visibility mask from its static tree (the `tree_attention`
+pass, see `Tree`): siblings share a position, never a slot. The step returns nothing: all
 effects are in-place writes to the state tensors passed in. `trace_step(module)` turns it into
 an FX graph whose graph calls stay `call_module` nodes; the `inline_graph_calls` pass then
 inlines them into one flat graph.
@@ -286,10 +287,8 @@ class SpecStep(nn.Module):
     """One step of any drafter: propose, verify the pending token and the drafts in one target
     pass, accept, let the drafter update, commit."""
 
-    def __init__(self, drafter: Drafter, verify: fx.GraphModule, *, layout: KVLayout, max_pos: int,
-                 cache_slots: int, sample=False):
+    def __init__(self, drafter: Drafter, verify: fx.GraphModule, *, layout: KVLayout, max_pos: int, sample=False):
         super().__init__()
-        self.cache_slots = cache_slots                                # the KV buffers' slots: the mask's width
         if sample and not drafter.tree.is_chain and drafter.tree.branching is None:
             raise NotImplementedError(f"sampling over {drafter.tree} is not supported: draft a spine tree or a chain")
         self.drafter, self.verify, self.layout, self.max_pos, self.sample = drafter, verify, layout, max_pos, sample
@@ -312,15 +311,14 @@ class SpecStep(nn.Module):
                        kv, self.layout, self.max_pos, self.sample)
         p = self.drafter.propose(s)
         ids = s.pending if p.tokens is None else torch.cat([s.pending, p.tokens], 1)   # [B, N+1]
-        pos = tree.positions(s.last).clamp(max=self.max_pos)         # [B, N+1]
-        slots = tree.slots(s.last).clamp(max=self.max_pos)
-        visible = tree.visibility(s.last, self.cache_slots)           # [B, 1, N+1, S+1]
         target_kv = s.group(*self.drafter.verify_kv)
-        out = self.verify(ids if p.verify_input is None else p.verify_input, pos, span, slots, visible, *target_kv)
+        # The verify graph places the rows itself (the `tree_attention` pass): positions, KV
+        # slots and the tree's mask follow from `last`.
+        out = self.verify(ids if p.verify_input is None else p.verify_input, s.last, span, *target_kv)
         emitted, n, path = self._accept(p, out[0], uniforms, noise[:, tree.depth], s.warping)
         if path is not None:     # a tree: the accepted path's KV moves to the slots of its positions
             move_path_kv(target_kv, s.last, path, self.max_pos)
-            pos = Tree.chain(tree.depth).positions(s.last).clamp(max=self.max_pos)   # [B, D+1]
+        pos = Tree.chain(tree.depth).positions(s.last).clamp(max=self.max_pos)       # [B, D+1]: the kept rows
         self.drafter.after_verify(s, out, pos, emitted, path)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 

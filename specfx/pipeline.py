@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph, kv_slots,
+from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
                             static_positions)
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
-                           StructureError, StructureMap, TruncateAtExit, check_exit_layer)
+                           StructureError, StructureMap, TreeAttention, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
                                  NoDrafter, SpecStep, trace_step)
@@ -143,10 +143,11 @@ class BuildContext:
         return self.seq_len - 1
 
     def verify(self, passes: list[Pass] = (), *, drafts: int | None = None, name: str = "verify") -> fx.GraphModule:
-        """The target over the pending token and `drafts` drafts (default: the tree's nodes),
-        given the KV slots and the mask (see `SpecStep`)."""
-        width = (self.tree.size if drafts is None else drafts) + 1
-        return self.pm.run_all([*passes, *self.tail()], self.target.capture(width, explicit_mask=True), graph=name)
+        """The target over the pending token and `drafts` drafts in a chain (default: the
+        tree's nodes), at the pending token's position `last` (see `SpecStep`)."""
+        tree = self.tree if drafts is None else Tree.chain(drafts)
+        gm = self.target.capture(tree.size + 1, explicit_mask=True)
+        return self.pm.run_all([*passes, TreeAttention(tree, self.max_pos), *self.tail()], gm, graph=name)
 
     def target_prefill(self, layout: KVLayout, *groups: str) -> Prefill:
         """The target's prefill graph, writing the KV `groups` (default: "target") of `layout`."""
@@ -257,8 +258,7 @@ def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
 
 def _spec_step(ctx: BuildContext, drafter_for: Callable, verify: fx.GraphModule, layout: KVLayout) -> Callable:
     """sample -> the step module of a fresh drafter (`drafter_for()`) and the verify graph."""
-    return lambda sample: SpecStep(drafter_for(), verify, layout=layout, max_pos=ctx.max_pos,
-                                    cache_slots=kv_slots(ctx.seq_len), sample=sample)
+    return lambda sample: SpecStep(drafter_for(), verify, layout=layout, max_pos=ctx.max_pos, sample=sample)
 
 
 @register(NoDraft)

@@ -9,7 +9,8 @@ from torch import fx
 from helpers import span, tiny_model
 from specfx.capture import capture, kv_shape
 from specfx.passes import (REGISTRY, AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, InlineGraphCalls,
-                           PassError, PassManager, PassOrderError, ShareKVBuffers, TruncateAtExit, find_host_syncs)
+                           PassError, PassManager, PassOrderError, ShareKVBuffers, TreeAttention, TruncateAtExit,
+                           find_host_syncs)
 from specfx.passes.find_structure import layer_index
 from specfx.runtime.step import trace_step
 
@@ -138,6 +139,38 @@ def test_share_kv_buffers(setup):
     torch.testing.assert_close(logits, hf.logits, atol=1e-4, rtol=1e-4)
     assert all(t.abs().sum() > 0 for t in kv)  # the caller's tensors were written
     assert not ShareKVBuffers()(gm).modified
+
+
+@pytest.mark.parametrize("parents", [(-1, -1, 0, 2), (-1, 0, 1)])
+def test_tree_attention(setup, parents):
+    """The verify graph over a tree takes `last` instead of positions, slots and the mask, builds
+    them from the tree, and computes the logits and KV writes the explicit inputs give."""
+    from specfx.capture import kv_slots
+    from specfx.runtime.tree import Tree
+
+    model, tree, B = setup[0], Tree(parents), 2
+    width = tree.size + 1
+    cap = lambda: capture(model, width=width, batch_size=B, max_seq_len=S, explicit_mask=True).gm  # noqa: E731
+    before = ShareKVBuffers()(cap()).graph_module
+    assert [n.name for n in before.graph.nodes if n.op == "placeholder"][:5] == \
+        ["input_ids", "positions", "span", "slots", "visible"]
+    res = TreeAttention(tree, S - 1)(cap())
+    after = ShareKVBuffers()(res.graph_module).graph_module
+    assert res.modified and res.info["rows"] == width
+    assert [n.name for n in after.graph.nodes if n.op == "placeholder"][:3] == ["input_ids", "last", "span"]
+    with pytest.raises(PassOrderError, match="already takes `last`"):
+        TreeAttention(tree, S - 1)(res.graph_module)
+    with pytest.raises(ValueError, match=f"reads {width} rows"):
+        TreeAttention(Tree.chain(width), S - 1)(cap())
+    ids, last = torch.randint(3, 96, (B, width)), torch.tensor([5, 11])
+    kv_before = [torch.randn(kv_shape(model.config, B, kv_slots(S))) for _ in range(2 * L)]
+    kv_after = [t.clone() for t in kv_before]
+    explicit = (tree.positions(last), span(S), tree.slots(last), tree.visibility(last, kv_slots(S)))
+    with torch.no_grad():
+        (want,) = before(ids, *explicit, *kv_before)
+        (got,) = after(ids, last, span(S), *kv_after)
+    torch.testing.assert_close(got, want)
+    assert all(torch.equal(x, y) for x, y in zip(kv_before, kv_after))
 
 
 @pytest.mark.parametrize("draft, calls", [("early-exit:2", ["drafter.draft"] * 4 + ["verify"]), ("ngram:2", ["verify"])])
