@@ -13,7 +13,9 @@ per tensor. Other backends go through `torch.compile`; "eager" runs the graph as
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import sys
 
 import torch
 from torch import fx
@@ -29,6 +31,10 @@ CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
 # hundred per step) come from one pool allocated per call instead of one allocation each,
 # which costs about 0.1 ms a step. Kernels and numerics are unchanged.
 CPU_WRAPPER = {"cpp_wrapper": True, "memory_planning": True}
+# The memory planner walks its allocation tree recursively, and the tree deepens with every
+# buffer that grows the pool: a step of a 12-layer model with drafts goes past Python's
+# default limit of 1000 frames. Compilation runs with this limit.
+RECURSION_LIMIT = 20_000
 
 
 def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic: dict[str, tuple[int, ...]] | None = None):
@@ -67,8 +73,19 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
-    with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}):
+    with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}), \
+            _recursion_limit(RECURSION_LIMIT):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
+
+
+@contextlib.contextmanager
+def _recursion_limit(limit: int):
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(saved, limit))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(saved)
 
 
 def _flatten(args) -> list:

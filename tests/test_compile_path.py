@@ -7,7 +7,7 @@ import torch
 
 import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
-from specfx.runtime.compile import InductorGraph
+from specfx.runtime.compile import RECURSION_LIMIT, InductorGraph
 
 
 @pytest.mark.slow
@@ -34,7 +34,10 @@ def test_steps_run_without_guard_checks_or_recompiles():
 
 def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     """The CPU kernels fuse multiply-add (Inductor's default is off; see CPU_INDUCTOR); the
-    wrapper is C++ and plans its buffers into one pool (CPU_WRAPPER)."""
+    wrapper is C++ and plans its buffers into one pool (CPU_WRAPPER), under a recursion limit
+    the planner's allocation tree fits in (pycoder's MTP step goes past Python's default)."""
+    import sys
+
     import torch._inductor.compile_fx as cfx
     from torch import fx
     from torch._inductor import config
@@ -43,8 +46,10 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
 
     seen = []
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, args: seen.append(
-        (config.cpp.enable_floating_point_contract_flag, config.cpp_wrapper, config.memory_planning)) or gm)
+        (config.cpp.enable_floating_point_contract_flag, config.cpp_wrapper, config.memory_planning,
+         sys.getrecursionlimit())) or gm)
+    before = sys.getrecursionlimit()
     fn = compile_graph(fx.symbolic_trace(lambda x: x * 2 + 1), "inductor")
     x = torch.ones(3)
     torch.testing.assert_close(fn(x), x * 2 + 1)
-    assert seen == [("fast", True, True)]
+    assert seen == [("fast", True, True, max(before, RECURSION_LIMIT))] and sys.getrecursionlimit() == before
