@@ -28,8 +28,7 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
     if tree.size == 0:
         return greedy, greedy[:, 0] * 0, None
     if tree.is_chain:
-        n = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)     # [B]
-        return greedy, n, None
+        return greedy, leading_true(drafts == greedy[:, :-1]), None
     match = drafts == greedy[:, const(greedy, tree.row_parents)]    # [B, N]: each node vs its parent's argmax
     hit = torch.cat([torch.ones_like(match[:, :1]), match], 1)      # [B, N+1]: the pending token always
     ancestors = const(greedy, tree.ancestors, torch.bool)          # [N+1, N+1]
@@ -38,6 +37,15 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
     best = depth.argmax(-1)                                         # [B]: first deepest
     path = const(greedy, tree.paths)[best]                          # [B, D+1]
     return greedy.gather(1, path), depth.gather(1, best[:, None])[:, 0], path
+
+
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """[B, k] bool -> [B]: how many entries lead each row before its first False. An argmax
+    (the first index of the maximum), not a cumulative product: Inductor writes it into the
+    step's own loops, where a scan is a library call, and one library call in a CPU step
+    keeps all of the step's buffers off the stack (`runtime.compile.CPU_WRAPPER`)."""
+    stop = torch.cat([~mask, torch.ones_like(mask[:, :1])], 1)     # [B, k+1]: a stop after the last
+    return stop.to(torch.int32).argmax(1)
 
 
 def commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n) -> None:

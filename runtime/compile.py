@@ -4,7 +4,7 @@ The runtime's graphs are always called with the same state tensors, so nothing n
 per call. `compile_graph(gm, "inductor")` hands the FX graph to Inductor directly (on the first
 call's arguments) and later calls run the compiled code with no guard evaluation; on the CPU
 the compiled code's wrapper is C++ too (`cpp_wrapper`), so a step costs no Python per kernel,
-and it takes its buffers from one pool per call (`memory_planning`).
+and it keeps the graph's intermediate buffers on the caller's stack (`_stack_buffers`).
 Every size is static except those named in `dynamic` (input name -> dims): the attention
 span's length (`span`, see `specfx.attention`) and a prefill's width (dim 1 of `input_ids`,
 `positions`, `hidden`) stay symbolic, so one compiled graph serves every span and width. A graph input that is a list of tensors (the step's `kv`) becomes one input
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import sys
 
 import torch
 from torch import fx
@@ -27,14 +26,18 @@ WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 # matmuls, attention), which then issue twice the floating-point instructions. The rounding
 # differs from an unfused product and sum as a different summation order does.
 CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
-# How the compiled graph's C++ wrapper allocates on the CPU: its intermediate buffers (a few
-# hundred per step) come from one pool allocated per call instead of one allocation each,
-# which costs about 0.1 ms a step. Kernels and numerics are unchanged.
-CPU_WRAPPER = {"cpp_wrapper": True, "memory_planning": True}
-# The memory planner walks its allocation tree recursively, and the tree deepens with every
-# buffer that grows the pool: a step of a 12-layer model with drafts goes past Python's
-# default limit of 1000 frames. Compilation runs with this limit.
-RECURSION_LIMIT = 20_000
+# The compiled graph's wrapper on the CPU: C++, with the intermediate buffers of a static size
+# (a few hundred per step) as arrays on the caller's stack, Inductor's AOTInductor option
+# `allow_stack_allocation`, which its C++ wrapper honours in this process too. Heap buffers cost
+# a tensor object each, created and destroyed at every call: about 0.5-1 ms of a pycoder decode
+# step, whose weights have pushed those objects out of the caches by the next call. Buffers of a
+# symbolic size (the span, a prefill's width) stay on the heap, and so do all of a graph's
+# when their elements add up to more than STACK_ELEMENTS, or when the graph calls a library
+# kernel (Inductor's rule). Kernels and numerics are unchanged.
+CPU_WRAPPER = {"cpp_wrapper": True, "memory_planning": False, "aot_inductor.allow_stack_allocation": True}
+# 4 MiB of float32 on the calling thread's stack, which on Linux has 8 MiB by default (the main
+# thread and Python's threads alike). pycoder's MTP step holds 2.3 MiB there, its decode 0.3 MiB.
+STACK_ELEMENTS = 1 << 20
 
 
 def compile_graph(gm: fx.GraphModule, backend: str, *, dynamic: dict[str, tuple[int, ...]] | None = None):
@@ -74,18 +77,29 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}), \
-            _recursion_limit(RECURSION_LIMIT):
+            (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
 
 
 @contextlib.contextmanager
-def _recursion_limit(limit: int):
-    saved = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(saved, limit))
+def _stack_buffers(limit: int):
+    """For one compilation: the CPU's C++ wrapper that can place buffers on the stack (Inductor
+    registers it for the CPU only when `allow_stack_allocation` is set at its first use in the
+    process), with room for `limit` elements of them. Where this torch lacks it, the heap is used."""
+    try:
+        from torch._inductor.codegen import common
+        from torch._inductor.codegen import cpp_wrapper_cpu_array_ref as arrayref
+        common.init_backend_registration()
+        codegen = common.device_codegens["cpu"]
+        saved = codegen.cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+    codegen.cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE = arrayref.CppWrapperCpuArrayRef, limit
     try:
         yield
     finally:
-        sys.setrecursionlimit(saved)
+        codegen.cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE = saved
 
 
 def _flatten(args) -> list:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from specfx.runtime.accept import leading_true
+
 
 FILTERS = ("any", "top_k", "temperature")
 TOP_K_CAP = 64          # the "top_k" variant's largest k
@@ -139,7 +141,7 @@ def speculative_accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Ten
     q_x = q.gather(-1, idx)[..., 0]
     # u ~ U[0, 1): P(u < p/q) = min(1, p/q); strict, so a token with p = 0 is never accepted.
     accept = uniforms * q_x < p_x                                     # never divides by q
-    n = accept.long().cumprod(1).sum(1)                               # [B]
+    n = leading_true(accept)                                          # [B]
     # Distribution at position n: the residual after a rejection, or p_k after k acceptances.
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)             # [B, k+1, V]
     at = n[:, None, None].expand(-1, 1, p.shape[-1])

@@ -267,16 +267,6 @@ class _StateInOut(nn.Module):
         return tuple(state[i] for i in self.written)
 
 
-def _unrolled_cumprod(x, dim, dtype=None):
-    """cumprod as a chain of products over a static dim: ONNX has no CumProd, and the same
-    left-to-right order keeps it exact."""
-    x = x if dtype is None else x.to(dtype)
-    out = [x.narrow(dim, 0, 1)]
-    for i in range(1, x.shape[dim]):
-        out.append(out[-1] * x.narrow(dim, i, 1))
-    return torch.cat(out, dim)
-
-
 def _save_onnx(step: fx.GraphModule, state, writes: list[str], path: Path, out: Path) -> dict:
     """The greedy step as ONNX: inputs STEP_INPUTS + kv_i, outputs `<name>_out` for each written input."""
     try:
@@ -287,8 +277,7 @@ def _save_onnx(step: fx.GraphModule, state, writes: list[str], path: Path, out: 
     flat = (*state.step_args()[:-1], *state.kv)
     module = _StateInOut(_lean(step), [inputs.index(w) for w in writes])
     ep = torch.export.export(module, flat, dynamic_shapes=_span_dynamic(module, flat, state),
-                             strict=False).run_decompositions(
-        {torch.ops.aten.cumprod.default: _unrolled_cumprod})
+                             strict=False).run_decompositions()
     outputs = [f"{w}_out" for w in writes]
     path.parent.mkdir(exist_ok=True)
     program = torch.onnx.export(ep, flat, dynamo=True, input_names=inputs, output_names=outputs, verbose=False)

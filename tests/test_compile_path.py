@@ -7,7 +7,7 @@ import torch
 
 import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
-from specfx.runtime.compile import RECURSION_LIMIT, InductorGraph
+from specfx.runtime.compile import InductorGraph
 
 
 @pytest.mark.slow
@@ -34,22 +34,49 @@ def test_steps_run_without_guard_checks_or_recompiles():
 
 def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     """The CPU kernels fuse multiply-add (Inductor's default is off; see CPU_INDUCTOR); the
-    wrapper is C++ and plans its buffers into one pool (CPU_WRAPPER), under a recursion limit
-    the planner's allocation tree fits in (pycoder's MTP step goes past Python's default)."""
-    import sys
-
+    wrapper is C++ and keeps buffers on the stack (CPU_WRAPPER): Inductor's stack-allocating
+    wrapper is registered for the CPU during the compile only, with the budget STACK_ELEMENTS."""
     import torch._inductor.compile_fx as cfx
     from torch import fx
     from torch._inductor import config
+    from torch._inductor.codegen import common
+    from torch._inductor.codegen import cpp_wrapper_cpu_array_ref as arrayref
 
-    from specfx.runtime.compile import compile_graph
+    from specfx.runtime.compile import STACK_ELEMENTS, compile_graph
 
+    common.init_backend_registration()
+    registered = common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE
     seen = []
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, args: seen.append(
         (config.cpp.enable_floating_point_contract_flag, config.cpp_wrapper, config.memory_planning,
-         sys.getrecursionlimit())) or gm)
-    before = sys.getrecursionlimit()
+         config.aot_inductor.allow_stack_allocation, common.device_codegens["cpu"].cpp_wrapper_codegen,
+         arrayref.MAX_STACK_ALLOCATION_SIZE)) or gm)
     fn = compile_graph(fx.symbolic_trace(lambda x: x * 2 + 1), "inductor")
     x = torch.ones(3)
     torch.testing.assert_close(fn(x), x * 2 + 1)
-    assert seen == [("fast", True, True, max(before, RECURSION_LIMIT))] and sys.getrecursionlimit() == before
+    assert seen == [("fast", True, False, True, arrayref.CppWrapperCpuArrayRef, STACK_ELEMENTS)]
+    assert (common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE) == registered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["early-exit:1", "ngram:2"])
+def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft):
+    """With every linear rewritten, a greedy step calls no library kernel, so its C++ wrapper
+    holds the intermediate buffers as stack arrays (CPU_WRAPPER). One library call anywhere in
+    the step (a scan in the acceptance, a BLAS linear) would take them all to the heap."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from specfx.matmul_choice import MatmulPlan
+    from specfx.passes.skinny_matmul import Choice
+
+    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K: Choice(True, "every linear reduced"))
+    model = tiny_model("llama", layers=2, seed=9)
+    fast, codes = run_and_get_code(lambda: specfx.compile(model, draft=draft, num_speculative_tokens=3,
+                                                          max_seq_len=200))
+    step = max(codes, key=len)                      # prefill, first token, step: the step is the largest
+    assert "ArrayRefTensor" in step
+    assert not re.findall(r"aoti_torch_cpu_\w+|aoti_torch_call_dispatcher", step)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)
