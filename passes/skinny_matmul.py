@@ -1,15 +1,20 @@
-"""skinny_matmul: linears over few rows become a product and a sum that Inductor generates itself.
+"""skinny_matmul: linears over few rows run on the kernel that is fastest for their shape.
 
-`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows (M <= MAX_ROWS) becomes
+`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows (M <= MAX_ROWS) is rewritten,
+where `choose(M, N, K) -> Choice` says so, into one of:
 
-    stack([sum(W * x[m], -1) for m in range(M)])          -> [M, N]
+- "tiled": `specfx.tiled_linear(x [M, K], W)` (`specfx.kernels.tiled_linear`), a register-tiled
+  C++ kernel that Inductor compiles into the graph: each weight row is read once for all M rows
+  and a tile's sums are reduced across lanes together;
+- "reduce": `stack([sum(W * x[m], -1) for m in range(M)])`, M reductions over the same weight,
+  which Inductor fuses into one loop that loads each weight vector once and multiplies it into
+  M accumulators (one horizontal sum per output);
+- "blas": the linear is kept, for the BLAS library.
 
-M reductions over the same weight, which Inductor fuses into one loop that loads each weight
-vector once and multiplies it into M accumulators: the weights stream at close to the
-machine's speed, where a BLAS call at M = 1..k+1 streams them several times slower (DESIGN.md,
-"Kernels"). x is materialized first, so the pointwise ops that produce it (a norm) run once,
-not once per weight row. Which (M, N, K) to rewrite is an input: `choose(M, N, K) -> Choice`,
-decided by measurement (`specfx.matmul_choice`), never by rule.
+At M = 1..k+1 a BLAS call streams the weights several times slower than the machine can
+(DESIGN.md, "Kernels"). x is materialized first, so the pointwise ops that produce it (a norm)
+run once, not once per weight row. The choice is an input, decided by measurement
+(`specfx.matmul_choice`), never by rule.
 """
 
 from __future__ import annotations
@@ -33,16 +38,27 @@ MAX_ROWS = 16            # the rewrite unrolls one reduction per row; wider matm
 MATERIALIZE = inductor_prims.force_stride_order
 
 
+KERNELS = ("tiled", "reduce", "blas")
+
+
 @dataclass(frozen=True)
 class Choice:
-    """Whether to rewrite one matmul shape, and why."""
+    """The kernel for one matmul shape ("tiled", "reduce" or "blas"), and why."""
 
-    reduce: bool
+    kernel: str
     reason: str
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def rewrite(self) -> bool:
+        return self.kernel != "blas"
 
 
 class SkinnyMatmul(Pass):
-    """Rewrite few-row linears as a weight-row-reusing reduction, where `choose` says it is faster."""
+    """Rewrite few-row linears into the kernel `choose` says is fastest for their shape."""
 
     def __init__(self, choose: Callable[[int, int, int], Choice]):
         self.choose = choose
@@ -54,13 +70,18 @@ class SkinnyMatmul(Pass):
             if shape is None:
                 continue
             if not isinstance(shape[0], int):
-                choice = Choice(False, "rows not static (a prefill of any width): BLAS")
+                choice = Choice("blas", "rows not static (a prefill of any width): BLAS")
             elif shape[0] > MAX_ROWS:
-                choice = Choice(False, f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
+                choice = Choice("blas", f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
             else:
                 choice = self.choose(*shape)
-            (rewrote if choice.reduce else kept)[choice.reason] += 1
-            if choice.reduce:
+                if choice.kernel == "tiled" and not _tiled_fits(node):
+                    choice = Choice("reduce", f"M={shape[0]}: not float32 contiguous weights, the tiled "
+                                              f"kernel's case: reduce")
+            (rewrote if choice.rewrite else kept)[choice.reason] += 1
+            if choice.kernel == "tiled":
+                _rewrite_tiled(gm, node, *shape)
+            elif choice.kernel == "reduce":
                 _rewrite(gm, node, *shape)
         if not rewrote and not kept:
             return PassResult(gm, False, "no linear with a 2-D weight")
@@ -84,6 +105,34 @@ def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
     return math.prod(x.shape[:-1]), N, K
 
 
+def _tiled_fits(node: fx.Node) -> bool:
+    """The tiled kernel's case: float32 on the CPU, a contiguous weight."""
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    return (x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu"
+            and w.is_contiguous())
+
+
+def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
+    from specfx.kernels import tiled_linear
+
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    lead = list(x.meta["val"].shape[:-1])
+    with gm.graph.inserting_before(node):
+        rows = insert_call(gm, aten.reshape.default, (x, [M, K]))
+        out = insert_call(gm, torch.ops.specfx.tiled_linear.default, (rows, w, tiled_linear.VERSION))   # [M, N]
+        if bias is not None:
+            out = insert_call(gm, aten.add.Tensor, (out, bias))
+        out = insert_call(gm, aten.reshape.default, (out, [*lead, N]))
+    _replace(gm, node, out)
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, out: fx.Node) -> None:
+    out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+
+
 def _rewrite(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
@@ -98,20 +147,26 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
         if bias is not None:
             out = insert_call(gm, aten.add.Tensor, (out, bias))
         out = insert_call(gm, aten.reshape.default, (out, [*lead, N]))
-    out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    node.replace_all_uses_with(out)
-    gm.graph.erase_node(node)
+    _replace(gm, node, out)
 
 
 def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` without the rewrite's materialization hints (for torch.export / ONNX,
-    which do not know Inductor's prims); values are unchanged."""
+    """A copy of `gm` without what only Inductor compiles (for torch.export / ONNX): no
+    materialization hints, and the tiled kernel's calls as the linears they compute."""
     import copy
+
+    from specfx.kernels import tiled_linear  # noqa: F401 - defines torch.ops.specfx.tiled_linear
 
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is MATERIALIZE:
             node.replace_all_uses_with(node.args[0])
+            out.graph.erase_node(node)
+        elif node.op == "call_function" and node.target is torch.ops.specfx.tiled_linear.default:
+            with out.graph.inserting_before(node):
+                linear = out.graph.call_function(aten.linear.default, node.args[:2])
+            linear.meta.update(node.meta)
+            node.replace_all_uses_with(linear)
             out.graph.erase_node(node)
     out.recompile()
     return out

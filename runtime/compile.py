@@ -68,6 +68,9 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+    from specfx.kernels import tiled_linear
+
+    tiled_linear.register()
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     mode = FakeTensorMode(shape_env=ShapeEnv())
 

@@ -2,17 +2,20 @@
 
 `MatmulPlan(weights)` answers `plan(M, N, K) -> Choice` for the `skinny_matmul` pass. For a
 model's weights and M rows it times every linear of the model at M rows, one after another as
-a step runs them, in two graphs compiled by Inductor:
+a step runs them (each linear's input depends on the one before, as in a step, so Inductor
+cannot run several of them in one loop), in graphs compiled as the runtime compiles its own:
 
-- **BLAS**: `F.linear`, which Inductor hands to the BLAS library;
+- **tiled**: specfx's register-tiled kernel (`specfx.kernels.tiled_linear`; float32, where this
+  torch's Inductor compiles it);
 - **reduce**: the pass's product-and-sum, which Inductor generates itself;
+- **BLAS**: `F.linear`, which Inductor hands to the BLAS library;
 
-median of `REPEATS` passes, and the faster one is chosen for that row count. Timing one small
+median of `REPEATS` passes, and the fastest is chosen for that row count. Timing one small
 weight at a time in a loop misleads: in cache, or with the call overhead of a lone kernel, a
 BLAS call looks faster than it runs in a step, where each weight is read once from memory.
 A row count is measured once per machine and weight set: results are kept in
 `$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
-version, dtype, M and the weights' shapes.
+version, dtype, M, the weights' shapes and the kernels' versions.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from specfx.passes.skinny_matmul import Choice
-from specfx.runtime.compile import CPU_INDUCTOR
+from specfx.kernels import tiled_linear
+from specfx.passes.skinny_matmul import KERNELS, Choice
+from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 9
+_SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}
 _memory: dict[str, dict] = {}
 
 
@@ -71,11 +76,12 @@ class MatmulPlan:
     def __call__(self, M: int, N: int, K: int) -> Choice:
         weights = next((ws for ws in self.sets if any(tuple(w.shape) == (N, K) for w in ws)), None)
         if weights is None:
-            return Choice(False, f"{N}x{K}: not a weight of the measured models")
+            return Choice("blas", f"{N}x{K}: not a weight of the measured models")
         t = self.timing(weights, M)
-        faster = "reduce" if t["reduce_ms"] < t["blas_ms"] else "BLAS"
-        return Choice(faster == "reduce", f"M={M}: {t['linears']} linears took reduce {t['reduce_ms']:.2f} ms, "
-                                          f"BLAS {t['blas_ms']:.2f} ms: {faster}")
+        times = {k: t[f"{k}_ms"] for k in KERNELS if f"{k}_ms" in t}
+        best = min(times, key=times.get)
+        took = ", ".join(f"{_SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
+        return Choice(best, f"M={M}: {t['linears']} linears took {took}: {_SHOWN[best]}")
 
     def timing(self, weights: list[torch.Tensor], M: int) -> dict:
         """Measured (or remembered) ms of all `weights` at M rows through each kernel."""
@@ -97,39 +103,57 @@ def reduce_form(w: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.stack([(w * x[m]).sum(-1) for m in range(rows)], 0)
 
 
+FORMS = {
+    "tiled": lambda w, x, M: torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION),
+    "reduce": lambda w, x, M: reduce_form(w, x, M),
+    "blas": lambda w, x, M: F.linear(x, w),
+}
+
+
 def _kernel_flags() -> str:
-    """The Inductor settings a measurement was compiled with (a change re-measures)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items()))
+    """The Inductor settings and kernel versions a measurement was made with (a change re-measures)."""
+    return ",".join([f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items())] + [f"tiled={tiled_linear.VERSION}"])
+
+
+def forms(weights: list[torch.Tensor]) -> list[str]:
+    """The kernels worth timing for these weights (the tiled one: float32 on the CPU, where it compiles)."""
+    w0 = weights[0]
+    tiled = w0.dtype == torch.float32 and w0.device.type == "cpu" and tiled_linear.available()[0]
+    return [k for k in KERNELS if k != "tiled" or tiled]
 
 
 def measure(weights: list[torch.Tensor], M: int) -> dict:
-    """Median ms of all `weights` at M rows, through BLAS and through the reduce form."""
+    """Median ms of all `weights` at M rows through each kernel of `forms`: `{"linears": n, "<kernel>_ms": ms}`."""
     ks = sorted({w.shape[1] for w in weights})
     w0 = weights[0]
     xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
     args = [*weights, *(xs[K] for K in ks)]
     out = {"linears": len(weights)}
     with torch.no_grad():
-        for name, kernel in (("blas_ms", lambda w, x: F.linear(x, w)), ("reduce_ms", lambda w, x: reduce_form(w, x, M))):
-            with torch._inductor.config.patch(CPU_INDUCTOR):
-                fn = torch._inductor.compile(_all_linears(weights, ks, kernel), args)
+        for name in forms(weights):
+            fn = compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
             times = []
             for r in range(REPEATS + 1):
                 t = time.perf_counter()
                 fn(*args)
                 if r:                                    # the first pass warms up
                     times.append(time.perf_counter() - t)
-            out[name] = statistics.median(times) * 1e3
+            out[f"{name}_ms"] = statistics.median(times) * 1e3
     return out
 
 
-def _all_linears(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:
-    """A graph `(*weights, *xs) -> [kernel(w, xs[K of w]) ...]`."""
+def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:
+    """A graph `(*weights, *xs) -> [y_0, y_1, ...]` with y_i = kernel(w_i, xs[K of w_i] + y_{i-1}[:, :1]):
+    each linear waits for the one before, as in a step."""
     graph = fx.Graph()
     ws = [graph.placeholder(f"w{i}") for i in range(len(weights))]
     xs = {K: graph.placeholder(f"x{K}") for K in ks}
     tracer = fx.proxy.GraphAppendingTracer(graph)
-    outs = [kernel(fx.Proxy(w, tracer), fx.Proxy(xs[t.shape[1]], tracer)).node for w, t in zip(ws, weights)]
+    outs, y = [], None
+    for w, t in zip(ws, weights):
+        x = fx.Proxy(xs[t.shape[1]], tracer)
+        y = kernel(fx.Proxy(w, tracer), x if y is None else x + y[:, :1])
+        outs.append(y.node)
     graph.output(outs)
     return fx.GraphModule(torch.nn.Module(), graph)
 

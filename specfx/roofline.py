@@ -4,8 +4,10 @@ A decode step on a CPU (or a small batch on a GPU) reads every weight once: its 
 time the machine needs to stream those bytes. `roofline(model, ...)` measures
 
 - the **probe**: the machine's GB/s on the model's own weight bytes, the fastest of
-  (a) every linear of the model at one row through the skinny-matmul reduction, compiled by
-  Inductor, (b) the same through BLAS, (c) a sum over one flat buffer of the same size;
+  every linear of the model at one row, one after another, through (a) specfx's tiled kernel,
+  (b) the skinny-matmul reduction, (c) BLAS, each compiled as the runtime compiles its graphs;
+  and a flat buffer of the same size read (d) by a sum that Inductor generates, (e) as one
+  matrix through the tiled kernel at one row (a plain stream of reads, many in flight);
 - the bytes one **decode** step (one row) and one **verify** step (k+1 rows, and any other
   `verify_rows`: what a draft tree of that many nodes, plus the pending token, costs to verify)
   read: every weight matrix, the embedding rows and the live KV cache of a `context`-token
@@ -26,6 +28,7 @@ from torch import fx
 from specfx.runtime.compile import CPU_INDUCTOR
 
 REPEATS = 15
+FLAT_K = 1024          # the flat probe's matrix: rows of this many elements
 
 
 @dataclass
@@ -75,20 +78,30 @@ def linear_weights(model) -> list[torch.Tensor]:
 
 
 def probes(weights: list[torch.Tensor]) -> dict[str, float]:
-    """GB/s of the machine on these weights' bytes, three ways (see the module docstring)."""
+    """GB/s of the machine on these weights' bytes, several ways (see the module docstring)."""
+    from specfx.kernels import tiled_linear
     from specfx.matmul_choice import measure
+    from specfx.runtime.compile import compile_graph
 
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     linears = measure(weights, 1)
+    out = {f"linears, {name}": nbytes / linears[f"{kernel}_ms"] / 1e6
+           for kernel, name in (("tiled", "tiled kernel"), ("reduce", "skinny reduction"), ("blas", "BLAS"))
+           if f"{kernel}_ms" in linears}
     flat = torch.empty(nbytes // weights[0].element_size(), dtype=weights[0].dtype,
                        device=weights[0].device).normal_()
     gm = fx.symbolic_trace(lambda x: x.sum())
     with torch.no_grad(), torch._inductor.config.patch(CPU_INDUCTOR):
         total = torch._inductor.compile(gm, [flat])
-    sum_ms = _median_ms(lambda: total(flat))
-    return {"linears, skinny reduction": nbytes / linears["reduce_ms"] / 1e6,
-            "linears, BLAS": nbytes / linears["blas_ms"] / 1e6,
-            "flat sum": nbytes / sum_ms / 1e6}
+    out["flat sum"] = nbytes / _median_ms(lambda: total(flat)) / 1e6
+    if "linears, tiled kernel" in out:           # one matrix of the same bytes: a plain stream of reads
+        matrix = flat[: flat.numel() // FLAT_K * FLAT_K].view(-1, FLAT_K)
+        row = torch.randn(1, FLAT_K, dtype=flat.dtype, device=flat.device)
+        gm = fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION))
+        read = compile_graph(gm, "inductor")
+        out["flat matrix, tiled kernel"] = matrix.numel() * matrix.element_size() / _median_ms(
+            lambda: read(row, matrix)) / 1e6
+    return out
 
 
 def kv_bytes(model, context: int) -> int:

@@ -59,11 +59,12 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["early-exit:1", "ngram:2"])
-def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft):
-    """With every linear rewritten, a greedy step calls no library kernel, so its C++ wrapper
-    holds the intermediate buffers as stack arrays (CPU_WRAPPER). One library call anywhere in
-    the step (a scan in the acceptance, a BLAS linear) would take them all to the heap."""
+@pytest.mark.parametrize("draft, kernel", [("early-exit:1", "reduce"), ("ngram:2", "tiled")])
+def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft, kernel):
+    """With every linear rewritten (as Inductor's reduction or the tiled kernel, which the
+    wrapper calls as it calls Inductor's own), a greedy step calls no library kernel, so its
+    C++ wrapper holds the intermediate buffers as stack arrays (CPU_WRAPPER). One library call
+    anywhere in the step (a scan in the acceptance, a BLAS linear) would take them all to the heap."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -71,12 +72,13 @@ def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft):
     from specfx.matmul_choice import MatmulPlan
     from specfx.passes.skinny_matmul import Choice
 
-    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K: Choice(True, "every linear reduced"))
+    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K: Choice(kernel, f"every linear: {kernel}"))
     model = tiny_model("llama", layers=2, seed=9)
     fast, codes = run_and_get_code(lambda: specfx.compile(model, draft=draft, num_speculative_tokens=3,
                                                           max_seq_len=200))
     step = max(codes, key=len)                      # prefill, first token, step: the step is the largest
     assert "ArrayRefTensor" in step
     assert not re.findall(r"aoti_torch_cpu_\w+|aoti_torch_call_dispatcher", step)
+    assert ("specfx_tiled::linear<" in step) == (kernel == "tiled")
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)

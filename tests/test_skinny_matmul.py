@@ -14,8 +14,9 @@ from specfx.passes import Choice, SkinnyMatmul
 from specfx.passes.skinny_matmul import MATERIALIZE, MAX_ROWS, strip_materialize
 
 aten = torch.ops.aten
-ALWAYS = lambda M, N, K: Choice(True, f"M={M}: test")         # noqa: E731
-NEVER = lambda M, N, K: Choice(False, f"M={M}: test says BLAS")  # noqa: E731
+ALWAYS = lambda M, N, K: Choice("reduce", f"M={M}: test")      # noqa: E731
+TILED = lambda M, N, K: Choice("tiled", f"M={M}: test tiles")   # noqa: E731
+NEVER = lambda M, N, K: Choice("blas", f"M={M}: test says BLAS")  # noqa: E731
 
 
 def _count(gm, target) -> int:
@@ -47,6 +48,34 @@ def test_rewrites_every_linear_and_keeps_numerics(width):
     assert _count(strip_materialize(res.graph_module), MATERIALIZE) == 0
 
 
+@pytest.mark.parametrize("width", [1, 5])
+def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
+    from specfx.kernels import tiled_linear
+
+    cg = capture(tiny_model("llama", layers=2), width=width, max_seq_len=32)
+    ids, pos = torch.randint(3, 96, (1, width)), torch.arange(width)[None]
+    ref = _run(cg.gm, ids, pos)
+    sums = _count(cg.gm, aten.sum.dim_IntList)
+    res = SkinnyMatmul(TILED)(cg.gm)
+    assert res.modified and res.info == {"rewritten": 15, "kept": 0} and "rewrote 15: M=" in res.reason
+    tiled = torch.ops.specfx.tiled_linear.default
+    assert _count(res.graph_module, tiled) == 15 and _count(res.graph_module, aten.linear.default) == 0
+    assert _count(res.graph_module, aten.sum.dim_IntList) == sums                 # no reductions added
+    assert all(n.args[2] == tiled_linear.VERSION for n in res.graph_module.graph.nodes if n.target is tiled)
+    torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
+    stripped = strip_materialize(res.graph_module)                                # what export sees
+    assert _count(stripped, tiled) == 0 and _count(stripped, aten.linear.default) == 15
+    torch.testing.assert_close(_run(stripped, ids, pos), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():
+    model = tiny_model("llama", layers=1).to(torch.bfloat16)
+    cg = capture(model, width=2, max_seq_len=32)
+    res = SkinnyMatmul(TILED)(cg.gm)
+    assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
+    assert "not float32 contiguous weights, the tiled kernel's case: reduce" in res.reason
+
+
 def test_keeps_what_the_choice_refuses_and_says_why():
     cg = capture(tiny_model("llama", layers=2), width=2, max_seq_len=32)
     res = SkinnyMatmul(NEVER)(cg.gm)
@@ -60,24 +89,28 @@ def test_keeps_what_the_choice_refuses_and_says_why():
 def test_plan_chooses_the_faster_kernel_and_remembers_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(matmul_choice, "_memory", {})
-    timings = {1: {"linears": 2, "reduce_ms": 1.0, "blas_ms": 2.0}, 4: {"linears": 2, "reduce_ms": 3.0, "blas_ms": 2.0}}
+    timings = {1: {"linears": 2, "tiled_ms": 1.5, "reduce_ms": 1.0, "blas_ms": 2.0},
+               4: {"linears": 2, "tiled_ms": 1.0, "reduce_ms": 3.0, "blas_ms": 2.0},
+               8: {"linears": 2, "reduce_ms": 3.0, "blas_ms": 2.0}}               # no tiled kernel here
     measured = []
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M: measured.append(M) or timings[M])
     weights = [torch.randn(8, 4), torch.randn(4, 8)]
     plan = matmul_choice.MatmulPlan(weights)
-    assert plan(1, 8, 4).reduce and "reduce 1.00 ms, BLAS 2.00 ms: reduce" in plan(1, 8, 4).reason
-    assert not plan(4, 4, 8).reduce
-    assert not plan(1, 3, 3).reduce and "not a weight" in plan(1, 3, 3).reason
-    assert measured == [1, 4]                                      # once per row count
-    assert len(json.loads((tmp_path / "matmul.json").read_text())) == 2
+    assert plan(1, 8, 4).kernel == "reduce"
+    assert "tiled 1.50 ms, reduce 1.00 ms, BLAS 2.00 ms: reduce" in plan(1, 8, 4).reason
+    assert plan(4, 4, 8).kernel == "tiled" and plan(8, 4, 8).kernel == "blas"
+    assert plan(1, 3, 3).kernel == "blas" and "not a weight" in plan(1, 3, 3).reason
+    assert measured == [1, 4, 8]                                   # once per row count
+    assert len(json.loads((tmp_path / "matmul.json").read_text())) == 3
     # A new process (empty memory) reads the file instead of measuring again.
     monkeypatch.setattr(matmul_choice, "_memory", {})
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M: pytest.fail("measured again"))
-    assert matmul_choice.MatmulPlan(weights)(1, 8, 4).reduce
+    assert matmul_choice.MatmulPlan(weights)(1, 8, 4).kernel == "reduce"
 
 
 @pytest.mark.slow
-def test_measure_times_both_kernels_on_the_models_weights():
+def test_measure_times_every_kernel_on_the_models_weights():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     t = matmul_choice.measure(weights, 2)
-    assert t["linears"] == 2 and t["reduce_ms"] > 0 and t["blas_ms"] > 0
+    assert t["linears"] == 2 and t["tiled_ms"] > 0 and t["reduce_ms"] > 0 and t["blas_ms"] > 0
+    assert matmul_choice.forms([w.bfloat16() for w in weights]) == ["reduce", "blas"]

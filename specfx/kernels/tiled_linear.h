@@ -1,0 +1,166 @@
+// specfx's few-row matmul: y[M, N] = x[M, K] . w[N, K]^T, for M up to a few dozen rows.
+//
+// Weights are read in blocks of V rows (V = the vector's lanes). Each block is multiplied into
+// every query row while it is in the L1/L2 cache, in tiles of RM query rows x RN weight rows
+// (RM * RN = V accumulators, each a vector along K), so a weight row is read from memory once
+// for all M rows. The V accumulators of a tile are summed across lanes together (a transposed
+// reduction: log2(V) rounds of shuffles and adds give one vector of V outputs), not one
+// horizontal sum per output. The next block's rows are prefetched while a block computes.
+// Static sizes: M is a template argument, N and K are known when the caller is generated.
+#ifndef SPECFX_TILED_LINEAR_H
+#define SPECFX_TILED_LINEAR_H
+#include <cstddef>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace specfx_tiled {
+
+#if defined(__AVX512F__)
+constexpr int VB = 64;
+#else
+constexpr int VB = 32;
+#endif
+typedef float vf __attribute__((vector_size(VB), aligned(4)));
+typedef int vi __attribute__((vector_size(VB)));
+constexpr int V = VB / 4;
+
+static inline vf loadu(const float* p) { vf v; __builtin_memcpy(&v, p, VB); return v; }
+
+static inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SPECFX_SHUFFLE(u, v, ...) __builtin_shufflevector(u, v, __VA_ARGS__)
+#else
+#define SPECFX_SHUFFLE(u, v, ...) __builtin_shuffle(u, v, vi{__VA_ARGS__})
+#endif
+
+// In each group of 2H lanes, the first H take u's group folded in half, the last H v's.
+template <int H> static inline vf fold(vf u, vf v) {
+#if defined(__AVX512F__)
+  if constexpr (H == 8)
+    return SPECFX_SHUFFLE(u, v, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SPECFX_SHUFFLE(u, v, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  else if constexpr (H == 4)
+    return SPECFX_SHUFFLE(u, v, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SPECFX_SHUFFLE(u, v, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  else if constexpr (H == 2)
+    return SPECFX_SHUFFLE(u, v, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SPECFX_SHUFFLE(u, v, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  else
+    return SPECFX_SHUFFLE(u, v, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           SPECFX_SHUFFLE(u, v, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#else
+  if constexpr (H == 4)
+    return SPECFX_SHUFFLE(u, v, 0, 1, 2, 3, 8, 9, 10, 11) + SPECFX_SHUFFLE(u, v, 4, 5, 6, 7, 12, 13, 14, 15);
+  else if constexpr (H == 2)
+    return SPECFX_SHUFFLE(u, v, 0, 1, 8, 9, 4, 5, 12, 13) + SPECFX_SHUFFLE(u, v, 2, 3, 10, 11, 6, 7, 14, 15);
+  else
+    return SPECFX_SHUFFLE(u, v, 0, 8, 2, 10, 4, 12, 6, 14) + SPECFX_SHUFFLE(u, v, 1, 9, 3, 11, 5, 13, 7, 15);
+#endif
+}
+
+// V accumulators -> one vector whose lane p holds the sum of accumulator bitrev(p).
+template <int H, int I, int S> static inline vf reduce(const vf* a) {
+  if constexpr (H == 0) return a[I];
+  else return fold<H>(reduce<H / 2, I, 2 * S>(a), reduce<H / 2, I + S, 2 * S>(a));
+}
+constexpr int bitrev(int p) {
+  int r = 0;
+  for (int b = 1; b < V; b <<= 1) { r = (r << 1) | (p & 1); p >>= 1; }
+  return r;
+}
+
+// Output lane I = i * RN + j accumulates x[i] * w[j] in accumulator bitrev(I), so the
+// reduction leaves the outputs in order. Unrolled at compile time: the accumulators stay in
+// registers only if every index is a constant when the compiler first sees it.
+template <int I, int RN> struct Fma {
+  static inline __attribute__((always_inline)) void run(vf* acc, const vf* xv, const vf* wv) {
+    acc[bitrev(I)] = fmadd(xv[I / RN], wv[I % RN], acc[bitrev(I)]);
+    if constexpr (I + 1 < V) Fma<I + 1, RN>::run(acc, xv, wv);
+  }
+};
+
+template <int RM, int RN>
+static inline __attribute__((always_inline)) void step(vf* acc, const float* x, std::size_t sx,
+                                                       const float* w, std::size_t sw) {
+  vf xv[RM], wv[RN];
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++) xv[i] = loadu(x + i * sx);
+#pragma GCC unroll 16
+  for (int j = 0; j < RN; j++) wv[j] = loadu(w + j * sw);
+  Fma<0, RN>::run(acc, xv, wv);
+}
+
+// y[i, j] = x[i, :] . w[j, :] for i < RM, j < RN; y's rows are N apart. `pf`, when set, is
+// prefetched at the same offsets as w: the rows this thread reads next.
+template <int RM, int RN>
+static inline void tile(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                        int K, int N, const float* pf) {
+  static_assert(RM * RN == V, "one accumulator per output lane");
+  vf acc[V];
+#pragma GCC unroll 16
+  for (int a = 0; a < V; a++) acc[a] = vf{};
+  int k = 0;
+  if (pf)
+    for (; k + V <= K; k += V) {
+#pragma GCC unroll 16
+      for (int j = 0; j < RN; j++) __builtin_prefetch(pf + (std::size_t)j * K + k, 0, 2);
+      step<RM, RN>(acc, x + k, K, w + k, K);
+    }
+  for (; k + V <= K; k += V) step<RM, RN>(acc, x + k, K, w + k, K);
+  if (k < K) {                                  // the last partial vectors, zero-padded
+    float xt[RM][V] = {}, wt[RN][V] = {};
+    for (int i = 0; i < RM; i++)
+      for (int l = k; l < K; l++) xt[i][l - k] = x[(std::size_t)i * K + l];
+    for (int j = 0; j < RN; j++)
+      for (int l = k; l < K; l++) wt[j][l - k] = w[(std::size_t)j * K + l];
+    step<RM, RN>(acc, xt[0], V, wt[0], V);
+  }
+  vf r = reduce<V / 2, 0, 1>(acc);
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++)
+#pragma GCC unroll 16
+    for (int j = 0; j < RN; j++) y[(std::size_t)i * N + j] = r[i * RN + j];
+}
+
+// V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1.
+template <int M>
+static inline void block(const float* x, const float* w, float* y, int K, int N, int n, bool prefetch) {
+  const float* wn = w + (std::size_t)n * K;
+  const float* pf = prefetch ? wn + (std::size_t)V * K : nullptr;   // the next block, on the first pass
+  int m = 0;
+  for (; m + 4 <= M; m += 4, pf = nullptr)
+    for (int j = 0; j < V; j += V / 4)
+      tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
+                     pf ? pf + (std::size_t)j * K : nullptr);
+  for (; m + 2 <= M; m += 2, pf = nullptr)
+    for (int j = 0; j < V; j += V / 2)
+      tile<2, V / 2>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
+                     pf ? pf + (std::size_t)j * K : nullptr);
+  for (; m < M; m++, pf = nullptr) tile<1, V>(x + (std::size_t)m * K, wn, y + (std::size_t)m * N + n, K, N, pf);
+}
+
+template <int M>
+static void linear(const float* x, const float* w, float* y, int N, int K, int threads) {
+  const int blocks = N / V;
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks >= 2 * threads)
+  for (int b = 0; b < blocks; b++) block<M>(x, w, y, K, N, b * V, b + 1 < blocks);
+  for (int n = blocks * V; n < N; n++)             // rows past the last whole block
+    for (int m = 0; m < M; m++) {
+      float s = 0;
+      for (int k = 0; k < K; k++) s += x[(std::size_t)m * K + k] * w[(std::size_t)n * K + k];
+      y[(std::size_t)m * N + n] = s;
+    }
+}
+
+}  // namespace specfx_tiled
+#endif
