@@ -152,21 +152,41 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
 
 def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` without what only Inductor compiles (for torch.export / ONNX): no
-    materialization hints, and the tiled kernel's calls as the linears they compute."""
+    materialization hints, and the tiled kernels' calls as the products and sums they compute
+    (which Inductor, compiling an exported program, fuses as it fuses the rewrite's reductions)."""
     import copy
 
-    from specfx.kernels import tiled_linear  # noqa: F401 - defines torch.ops.specfx.tiled_linear
+    from specfx.kernels import tiled_linear  # noqa: F401 - defines torch.ops.specfx.tiled_*
 
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
+    tiled = {torch.ops.specfx.tiled_linear.default: _linear_sums, torch.ops.specfx.tiled_mix.default: _mix_sums}
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is MATERIALIZE:
             node.replace_all_uses_with(node.args[0])
             out.graph.erase_node(node)
-        elif node.op == "call_function" and node.target is torch.ops.specfx.tiled_linear.default:
+        elif node.op == "call_function" and node.target in tiled:
             with out.graph.inserting_before(node):
-                linear = out.graph.call_function(aten.linear.default, node.args[:2])
-            linear.meta.update(node.meta)
-            node.replace_all_uses_with(linear)
-            out.graph.erase_node(node)
+                value = tiled[node.target](out, *node.args[:2])
+            _replace(out, node, value)
     out.recompile()
     return out
+
+
+def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
+    """x @ w.T as products and sums: one reduction per row of a [M, K] x (as `_rewrite`
+    writes it), or over a batch of [B, M, K] x and [B, N, K] w."""
+    if w.meta["val"].dim() == 2:
+        rows = [insert_call(gm, aten.sum.dim_IntList,
+                            (insert_call(gm, aten.mul.Tensor, (w, insert_call(gm, aten.select.int, (x, 0, m)))), [-1]))
+                for m in range(x.meta["val"].shape[0])]
+        return insert_call(gm, aten.stack.default, (rows, 0))
+    prod = insert_call(gm, aten.mul.Tensor, (insert_call(gm, aten.unsqueeze.default, (x, 2)),
+                                             insert_call(gm, aten.unsqueeze.default, (w, 1))))  # [B, M, N, K]
+    return insert_call(gm, aten.sum.dim_IntList, (prod, [-1]))
+
+
+def _mix_sums(gm: fx.GraphModule, p: fx.Node, v: fx.Node) -> fx.Node:
+    """p [B, M, L] @ v [B, L, D] as products and a sum over L."""
+    prod = insert_call(gm, aten.mul.Tensor, (insert_call(gm, aten.unsqueeze.default, (p, -1)),
+                                             insert_call(gm, aten.unsqueeze.default, (v, 1))))  # [B, M, L, D]
+    return insert_call(gm, aten.sum.dim_IntList, (prod, [-2]))

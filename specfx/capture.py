@@ -109,6 +109,7 @@ class StaticDecoder(nn.Module):
         dtype = dtype or next(model.parameters()).dtype
         device = next(model.parameters()).device
         self.reduce_attention = device.type == "cpu" if reduce_attention is None else reduce_attention
+        self.tiled_attention = self.reduce_attention and attention.tiled_available(dtype, device)
         shape = kv_shape(config, batch_size, kv_slots(max_seq_len))
         for i in range(self.num_layers):
             for kind in "kv":
@@ -128,7 +129,7 @@ class StaticDecoder(nn.Module):
         """
         mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
         with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention,
-                            visible=visible) as bound:
+                            tiled=self.tiled_attention, visible=visible) as bound:
             try:
                 out = self.model(
                     input_ids=input_ids, position_ids=positions, attention_mask=mask,

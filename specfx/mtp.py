@@ -304,6 +304,7 @@ class StaticHead(nn.Module):
         self.max_seq_len, self.with_logits = max_seq_len, True
         param = next(target.parameters())
         self.config, self.reduce_attention = head.layer_config(parts), param.device.type == "cpu"
+        self.tiled_attention = self.reduce_attention and attention.tiled_available(param.dtype, param.device)
         shape = kv_shape(self.config, batch_size, kv_slots(max_seq_len))
         for kind in "kv":
             self.register_buffer(kv_name(kind, 0), torch.zeros(shape, dtype=param.dtype, device=param.device),
@@ -319,7 +320,7 @@ class StaticHead(nn.Module):
 
     def forward(self, input_ids, hidden, positions, span):
         embeds = self.embed(input_ids)
-        with attention.bind(self.config, positions, span, reduce=self.reduce_attention):
+        with attention.bind(self.config, positions, span, reduce=self.reduce_attention, tiled=self.tiled_attention):
             g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
                           position_embeddings=self.head.position_embeddings(self.parts, embeds, positions),
                           attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),

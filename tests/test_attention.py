@@ -18,14 +18,15 @@ def test_visibility_masks_later_slots_and_slots_outside_the_window():
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_reduce_form_equals_sdpa_form_with_grouped_heads(softcap):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_reduce_forms_equal_sdpa_form_with_grouped_heads(softcap, tiled):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g),
-               torch.randn(2, 2, 10, 8, generator=g))
+    q, k, v = (torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 10, 16, generator=g),
+               torch.randn(2, 2, 10, 16, generator=g))
     visible = visibility(torch.tensor([[4, 5, 6], [7, 8, 9]]), 10, 4)
-    a = attend(q, k, v, visible, 0.3, softcap, reduce=True)
+    a = attend(q, k, v, visible, 0.3, softcap, reduce=True, tiled=tiled)
     b = attend(q, k, v, visible, 0.3, softcap, reduce=False)
-    assert a.shape == (2, 3, 4, 8)
+    assert a.shape == (2, 3, 4, 16)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -47,19 +48,25 @@ def test_a_span_reads_only_its_slots():
     assert not torch.allclose(short[0, 1], full[0, 1], atol=1e-3)
 
 
-def test_reduce_form_computes_each_query_once():
-    """On the CPU form every layer's score product reads its query from a materialized buffer
-    (else Inductor recomputes the query's rotary inside the loop over cache slots); the SDPA
-    form has no such hint."""
+def test_cpu_forms_read_each_query_once():
+    """On the CPU every layer's scores read its query once: the tiled form hands the queries to
+    `tiled_linear` (with the values' weighting in `tiled_mix`); the reduction form reads them
+    from a materialized buffer (else Inductor recomputes the query's rotary inside the loop over
+    cache slots). The SDPA form has neither."""
     from specfx.capture import StaticDecoder
     from specfx.passes.skinny_matmul import MATERIALIZE
 
+    ops = torch.ops.specfx
     model = tiny_model("llama", layers=3)
-    for reduce, expected in ((True, 3), (False, 0)):
+    for reduce, tiled in ((True, True), (True, False), (False, False)):
         decoder = StaticDecoder(model, 1, 32, reduce_attention=reduce)
+        assert decoder.tiled_attention == reduce                     # float32 on the CPU: tiled
+        decoder.tiled_attention = tiled
         gm = capture(model, width=4, max_seq_len=32, decoder=decoder).gm
+        count = lambda target: sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)  # noqa
+        assert count(ops.tiled_linear.default) == count(ops.tiled_mix.default) == (3 if tiled else 0)
         hints = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MATERIALIZE]
-        assert len(hints) == expected
+        assert len(hints) == (3 if reduce and not tiled else 0)
         for n in hints:                                            # feeds the q * k product
             assert any(u.target is torch.ops.aten.unsqueeze.default and
                        any(m.target is torch.ops.aten.mul.Tensor for m in u.users) for u in n.users)

@@ -56,15 +56,19 @@ def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
     ids, pos = torch.randint(3, 96, (1, width)), torch.arange(width)[None]
     ref = _run(cg.gm, ids, pos)
     sums = _count(cg.gm, aten.sum.dim_IntList)
+    tiled = torch.ops.specfx.tiled_linear.default
+    attention = _count(cg.gm, tiled)                                              # scores, one per layer
     res = SkinnyMatmul(TILED)(cg.gm)
     assert res.modified and res.info == {"rewritten": 15, "kept": 0} and "rewrote 15: M=" in res.reason
-    tiled = torch.ops.specfx.tiled_linear.default
-    assert _count(res.graph_module, tiled) == 15 and _count(res.graph_module, aten.linear.default) == 0
+    calls = [n for n in res.graph_module.graph.nodes if n.target is tiled]
+    assert len(calls) == attention + 15 and _count(res.graph_module, aten.linear.default) == 0
+    assert sum(n.args[1].meta["val"].dim() == 2 for n in calls) == 15              # the linears' weights
     assert _count(res.graph_module, aten.sum.dim_IntList) == sums                 # no reductions added
-    assert all(n.args[2] == tiled_linear.VERSION for n in res.graph_module.graph.nodes if n.target is tiled)
+    assert all(n.args[2] == tiled_linear.VERSION for n in calls)
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
     stripped = strip_materialize(res.graph_module)                                # what export sees
-    assert _count(stripped, tiled) == 0 and _count(stripped, aten.linear.default) == 15
+    assert _count(stripped, tiled) == _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
+    assert _count(stripped, aten.linear.default) == 0                             # products and sums
     torch.testing.assert_close(_run(stripped, ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 

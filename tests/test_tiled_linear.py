@@ -26,9 +26,39 @@ def _graph(n: int) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_eager_op_is_the_linear():
+def test_eager_ops_are_the_products():
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION), x @ w.T)
+    xb, wb, v = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 16)
+    torch.testing.assert_close(torch.ops.specfx.tiled_linear(xb, wb, tiled_linear.VERSION), xb @ wb.transpose(1, 2))
+    torch.testing.assert_close(torch.ops.specfx.tiled_mix(wb.transpose(1, 2), v, tiled_linear.VERSION),
+                               wb.transpose(1, 2) @ v)
+
+
+@pytest.mark.slow
+def test_attention_kernels_read_a_span_of_a_cache_in_place():
+    """Scores of queries against the first L slots of a [B, S, D] cache, and the weighted sum of
+    its values, for spans of several lengths through one compiled graph (L is symbolic): every
+    query-row tile, whole and partial blocks of slots, rows of 1 to 8 vectors."""
+    from torch._inductor.utils import run_and_get_code
+
+    def attend(q, p, k, v, span):
+        L = span.shape[0]
+        return (torch.ops.specfx.tiled_linear(q, k[:, :L], tiled_linear.VERSION),
+                torch.ops.specfx.tiled_mix(p[:, :, :L], v[:, :L], tiled_linear.VERSION))
+
+    gen = torch.Generator().manual_seed(1)
+    for M, D in ((1, 64), (5, 16), (6, 128), (16, 64)):
+        q, p = torch.randn(3, M, D, generator=gen), torch.randn(3, M, 90, generator=gen)
+        k, v = torch.randn(3, 90, D, generator=gen), torch.randn(3, 90, D, generator=gen)
+        fn = compile_graph(fx.symbolic_trace(attend), "inductor", dynamic={"span": (0,)})
+        _, codes = run_and_get_code(lambda: fn(q, p, k, v, torch.empty(5)))      # compiled here, once
+        code = max(codes, key=len)
+        assert "specfx_tiled::mix<" in code and "specfx_tiled::linear<" in code
+        for L in (17, 64, 90):
+            scores, mixed = fn(q, p, k, v, torch.empty(L))
+            torch.testing.assert_close(scores, q @ k[:, :L].transpose(1, 2), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mixed, p[:, :, :L] @ v[:, :L], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

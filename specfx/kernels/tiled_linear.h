@@ -1,4 +1,6 @@
-// specfx's few-row matmul: y[M, N] = x[M, K] . w[N, K]^T, for M up to a few dozen rows.
+// specfx's few-row matmuls: y[M, N] = x[M, K] . w[N, K]^T (`linear`), for M up to a few dozen
+// rows, and y[M, D] = p[M, L] . v[L, D] (`mix`: attention's weighted sum of values), each over
+// a batch of such products.
 //
 // Weights are read in blocks of V rows (V = the vector's lanes). Each block is multiplied into
 // every query row while it is in the L1/L2 cache, in tiles of RM query rows x RN weight rows
@@ -6,7 +8,8 @@
 // for all M rows. The V accumulators of a tile are summed across lanes together (a transposed
 // reduction: log2(V) rounds of shuffles and adds give one vector of V outputs), not one
 // horizontal sum per output. The next block's rows are prefetched while a block computes.
-// Static sizes: M is a template argument, N and K are known when the caller is generated.
+// Static sizes: M is a template argument, K and the batch known when the caller is generated;
+// N (a span of cached keys) may vary per call.
 #ifndef SPECFX_TILED_LINEAR_H
 #define SPECFX_TILED_LINEAR_H
 #include <cstddef>
@@ -149,17 +152,71 @@ static inline void block(const float* x, const float* w, float* y, int K, int N,
   for (; m < M; m++, pf = nullptr) tile<1, V>(x + (std::size_t)m * K, wn, y + (std::size_t)m * N + n, K, N, pf);
 }
 
+// Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
+// batches wb apart (a slice of a KV cache: wb is the cache's length times K). Threads split the
+// (batch, block) pairs.
 template <int M>
-static void linear(const float* x, const float* w, float* y, int N, int K, int threads) {
-  const int blocks = N / V;
-#pragma omp parallel for num_threads(threads) schedule(static) if (blocks >= 2 * threads)
-  for (int b = 0; b < blocks; b++) block<M>(x, w, y, K, N, b * V, b + 1 < blocks);
-  for (int n = blocks * V; n < N; n++)             // rows past the last whole block
-    for (int m = 0; m < M; m++) {
-      float s = 0;
-      for (int k = 0; k < K; k++) s += x[(std::size_t)m * K + k] * w[(std::size_t)n * K + k];
-      y[(std::size_t)m * N + n] = s;
+static void linear(const float* x, const float* w, float* y, int batches, long N, int K, long wb, int threads) {
+  const long blocks = N / V, tasks = batches * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
+  for (long t = 0; t < tasks; t++) {
+    const long b = t / blocks, n = (t % blocks) * V;
+    block<M>(x + b * M * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
+  }
+  for (int b = 0; b < batches; b++)                 // rows past the last whole block
+    for (long n = blocks * V; n < N; n++)
+      for (int m = 0; m < M; m++) {
+        const float *xr = x + ((long)b * M + m) * K, *wr = w + b * wb + n * K;
+        float s = 0;
+        for (int k = 0; k < K; k++) s += xr[k] * wr[k];
+        y[((long)b * M + m) * N + n] = s;
+      }
+}
+
+// y[i, :] = sum_l p[i, l] v[l, :] for i < RM: RM * D / V accumulators, one broadcast of p and
+// D / V loads of v per slot l.
+template <int RM, int D>
+static inline void mix_tile(const float* __restrict p, const float* __restrict v, float* __restrict y, long L) {
+  constexpr int C = D / V;
+  vf acc[RM][C];
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; c++) acc[i][c] = vf{};
+  for (long l = 0; l < L; l++) {
+    vf vv[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; c++) vv[c] = loadu(v + l * D + c * V);
+#pragma GCC unroll 16
+    for (int i = 0; i < RM; i++) {
+      const vf pi = vf{} + p[i * L + l];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; c++) acc[i][c] = fmadd(pi, vv[c], acc[i][c]);
     }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; c++) __builtin_memcpy(y + i * D + c * V, &acc[i][c], VB);
+}
+
+// Batch b: y[b] = p[b] @ v[b], p [M, L] and y [M, D] contiguous, v's rows D apart and its
+// batches vb apart. D is a multiple of V; query rows in tiles that keep 16 accumulators.
+template <int M, int D>
+static void mix(const float* p, const float* v, float* y, int batches, long L, long vb, int threads) {
+  static_assert(D % V == 0, "rows of whole vectors");
+  constexpr int RM = D / V >= 16 ? 1 : D / V >= 8 ? 2 : 4;
+  constexpr int tiles = (M + RM - 1) / RM;
+  const int tasks = batches * tiles;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
+  for (int t = 0; t < tasks; t++) {
+    const int b = t / tiles, m = (t % tiles) * RM;
+    const float* pb = p + ((long)b * M + m) * L;
+    const float* vb_ = v + b * vb;
+    float* yb = y + ((long)b * M + m) * D;
+    if (m + RM <= M) mix_tile<RM, D>(pb, vb_, yb, L);
+    else for (int i = m; i < M; i++) mix_tile<1, D>(pb + (long)(i - m) * L, vb_, yb + (long)(i - m) * D, L);
+  }
 }
 
 }  // namespace specfx_tiled

@@ -1,18 +1,23 @@
-"""specfx's few-row matmul on the CPU, as an op that Inductor compiles into the step.
+"""specfx's few-row matmuls on the CPU, as ops that Inductor compiles into the step.
 
-- `tiled_linear(x [M, K], w [N, K]) -> [M, N]` (`torch.ops.specfx.tiled_linear`): x @ w.T. Run
-  eagerly (the eager backend, torch.export) it is `F.linear`; compiled by Inductor it is
-  `tiled_linear.h`, a register-tiled C++ kernel that reads each weight row once for all M rows
-  and sums a tile's accumulators across lanes together (see the header).
-- The kernel is defined in the compiled graph's own C++ source and called from its wrapper like
+- `tiled_linear(x [M, K], w [N, K]) -> [M, N]` (`torch.ops.specfx.tiled_linear`): x @ w.T; also
+  batched, `x [B, M, K]`, `w [B, N, K]` (attention's scores: queries against a span of cached
+  keys, whose batches are a KV buffer's heads). Compiled, it is `linear` in `tiled_linear.h`,
+  a register-tiled C++ kernel that reads each weight row once for all M rows and sums a
+  tile's accumulators across lanes together (see the header).
+- `tiled_mix(p [B, M, L], v [B, L, D]) -> [B, M, D]` (`torch.ops.specfx.tiled_mix`): p @ v,
+  attention's weighted sum of cached values; compiled, `mix` in the header.
+- Run eagerly (the eager backend, torch.export) they are `F.linear` / `torch.matmul`. Compiled,
+  the kernel is defined in the graph's own C++ source and called from its wrapper like
   Inductor's generated kernels: no dispatcher call, no Python, and the graph keeps its buffers
-  on the stack (`runtime.compile`).
-- `register()` gives Inductor the lowering (`runtime.compile` calls it before compiling);
-  `available()` says whether this torch's Inductor compiles it (a small graph, compiled and
-  checked once per process); where it does not, the skinny-matmul plan does not offer it.
+  on the stack (`runtime.compile`). K, D, M and the batch are fixed in the code; the span (N,
+  L) is passed at each call, so one compiled graph serves every span.
+- `register()` gives Inductor the lowerings (`runtime.compile` calls it before compiling);
+  `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
+  checked once per process). Where it does not, nothing inserts them.
 
-Its third argument is `VERSION`, a hash of the header, so that a changed kernel is a changed
-graph for Inductor's cache. fp32 on the CPU only; the skinny-matmul pass inserts it nowhere else.
+Their last argument is `VERSION`, a hash of the header, so that a changed kernel is a changed
+graph for Inductor's cache. float32 on the CPU only.
 """
 
 from __future__ import annotations
@@ -26,52 +31,86 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
 VERSION = int(hashlib.sha256(SOURCE.encode()).hexdigest()[:7], 16)
-_ARG_TYPES = ["const float*", "const float*", "float*"]
+_ARG_TYPES = ["const float*", "const float*", "float*", "const int64_t"]
 
 
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, version: int) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N]."""
-    return F.linear(x, w)
+    """x [M, K] @ w[N, K].T -> [M, N]; batched: x [B, M, K], w [B, N, K] -> [B, M, N]."""
+    return F.linear(x, w) if w.dim() == 2 else torch.matmul(x, w.transpose(-1, -2))
 
 
 @tiled_linear.register_fake
 def _(x, w, version):
-    return x.new_empty(x.shape[0], w.shape[0])
+    return x.new_empty(*x.shape[:-1], w.shape[-2])
+
+
+@torch.library.custom_op("specfx::tiled_mix", mutates_args=())
+def tiled_mix(p: torch.Tensor, v: torch.Tensor, version: int) -> torch.Tensor:
+    """p [B, M, L] @ v [B, L, D] -> [B, M, D]."""
+    return torch.matmul(p, v)
+
+
+@tiled_mix.register_fake
+def _(p, v, version):
+    return p.new_empty(*p.shape[:-1], v.shape[-1])
+
+
+def mix_fits(v_shape, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `tiled_mix` compiles for values of this shape: float32 CPU rows of whole vectors
+    (a multiple of 16 elements covers AVX-512's and AVX2's), at most 256 of them."""
+    D = v_shape[-1]
+    return dtype == torch.float32 and device.type == "cpu" and isinstance(D, int) and D % 16 == 0 and D <= 256
 
 
 @cache
 def register() -> None:
-    """Register the Inductor lowering (once per process): the op becomes a `TiledLinear` buffer."""
+    """Register the Inductor lowerings (once per process): each op becomes a `Tiled` buffer."""
     from torch._inductor import ir, lowering
     from torch._inductor.utils import parallel_num_threads
     from torch._inductor.virtualized import V
 
-    def plain(t):
+    def contiguous(t):
         """t as a contiguous buffer that starts at its storage's first element."""
         t = ir.ExternKernel.require_contiguous(t)
         return ir.ExternKernel.copy_input(t) if t.get_layout().offset != 0 else t
 
-    class TiledLinear(ir.ExternKernelOut):
-        """y = x @ w.T through `tiled_linear.h`, defined in and called from the graph's code."""
+    def rows(t):
+        """t [B, R, C] as it is where its rows are whole and static apart (a KV buffer's span),
+        else a contiguous copy: (buffer, its batch stride, its offset)."""
+        t = ir.ExternKernel.realize_input(t)
+        stride, offset = t.get_stride(), t.get_layout().offset
+        C = t.get_size()[-1]
+        static = all(getattr(e, "is_Integer", isinstance(e, int)) for e in (*stride, offset, C))
+        if not (static and stride[-1] == 1 and stride[-2] == C):
+            t = contiguous(t)            # batches a symbolic span apart: passed as a whole-rows stride
+            stride, offset = t.get_stride(), 0
+            if not getattr(stride[0], "is_Integer", isinstance(stride[0], int)):
+                raise NotImplementedError(f"{t.get_name()}: batches not a static number of elements apart")
+        return t, int(stride[0]), int(offset)
+
+    class Tiled(ir.ExternKernelOut):
+        """One of the header's kernels, defined in and called from the graph's code. `call`
+        is the C++ statement in the kernel's body (X, W, Y: the buffers, N: the span)."""
+
+        def __init__(self, layout, inputs, call: str, span):
+            super().__init__(layout, inputs)
+            self.call, self.span = call, span
 
         def codegen(self, wrapper) -> None:
-            x, w = self.inputs
-            M, K = (int(s) for s in x.get_size())
-            N = int(w.get_size()[0])
-            name = _define(wrapper, M, N, K, parallel_num_threads())
-            wrapper.generate_kernel_call(name, [x.get_name(), w.get_name(), self.get_name()],
-                                         triton=False, arg_types=_ARG_TYPES)
+            name = _define(wrapper, self.call.replace("THREADS", str(parallel_num_threads())))
+            args = [t.get_name() for t in self.inputs] + [self.get_name(), wrapper.codegen_sizevar(self.span)]
+            wrapper.generate_kernel_call(name, args, triton=False, arg_types=_ARG_TYPES)
 
-    def _define(wrapper, M: int, N: int, K: int, threads: int) -> str:
-        """The kernel for this shape, defined once per graph (as Inductor defines its own)."""
-        marker = "SPECFX_TILED_LINEAR_KERNEL"
+    def _define(wrapper, call: str) -> str:
+        """The kernel for this call, defined once per graph (as Inductor defines its own)."""
+        marker = "SPECFX_TILED_KERNEL"
         src = (f"#include <torch/csrc/inductor/cpp_prefix.h>\n{SOURCE}\n"
-               f'extern "C" void {marker}(const float* X, const float* W, float* Y)\n'
-               f"{{ specfx_tiled::linear<{M}>(X, W, Y, {N}, {K}, {threads}); }}\n")
+               f'extern "C" void {marker}(const float* X, const float* W, float* Y, const int64_t N)\n'
+               f"{{ {call}; }}\n")
         if src in wrapper.src_to_kernel:
             return wrapper.src_to_kernel[src]
-        name = f"cpp_specfx_tiled_linear_{wrapper.next_kernel_suffix()}"
+        name = f"cpp_specfx_tiled_{wrapper.next_kernel_suffix()}"
         wrapper.src_to_kernel[src] = name
         code = src.replace(marker, name if V.graph.cpp_wrapper else "kernel")
         first = code.rfind('extern "C"')
@@ -81,27 +120,51 @@ def register() -> None:
         return name
 
     @lowering.register_lowering(torch.ops.specfx.tiled_linear.default)
-    def _lower(x, w, version):
-        x, w = plain(x), plain(w)
-        M, K = x.get_size()
-        layout = ir.FixedLayout(x.get_device(), torch.float32, [M, w.get_size()[0]])
-        return ir.TensorBox.create(TiledLinear(layout, [x, w]))
+    def _lower_linear(x, w, version):
+        x = contiguous(x)
+        *lead, M, K = x.get_size()
+        if len(w.get_size()) == 2:
+            w, wb, offset = contiguous(w), 0, 0
+        else:
+            w, wb, offset = rows(w)
+        N, batches = w.get_size()[-2], (int(lead[0]) if lead else 1)
+        layout = ir.FixedLayout(x.get_device(), torch.float32, [*lead, M, N])
+        call = f"specfx_tiled::linear<{int(M)}>(X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
+        return ir.TensorBox.create(Tiled(layout, [x, w], call, N))
+
+    @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
+    def _lower_mix(p, v, version):
+        p = contiguous(p)
+        B, M, L = p.get_size()
+        v, vb, offset = rows(v)
+        D = int(v.get_size()[-1])
+        layout = ir.FixedLayout(p.get_device(), torch.float32, [B, M, D])
+        call = f"specfx_tiled::mix<{int(M)}, {D}>(X, W + {offset}, Y, {int(B)}, N, {vb}, THREADS)"
+        return ir.TensorBox.create(Tiled(layout, [p, v], call, L))
 
 
 @cache
 def available() -> tuple[bool, str]:
-    """(whether Inductor here compiles `tiled_linear` to the kernel and it computes x @ w.T,
+    """(whether Inductor here compiles the tiled kernels and they compute what they should,
     why not otherwise). Compiles a small graph once per process."""
     from torch import fx
 
     from specfx.runtime.compile import compile_graph
 
+    def probe(x, w, kv, span):
+        keys = kv[:, :span.shape[0]]                            # a span of a cache, of any length
+        scores = torch.ops.specfx.tiled_linear(x[None], keys, VERSION)
+        return torch.ops.specfx.tiled_linear(x, w, VERSION) + 1, torch.ops.specfx.tiled_mix(scores, keys, VERSION)
+
     try:
         register()
-        gm = fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, VERSION) + 1)
-        x, w = torch.randn(3, 40), torch.randn(37, 40)          # a partial block, a partial vector
-        out = compile_graph(gm, "inductor")(x, w)
-        torch.testing.assert_close(out, F.linear(x, w) + 1, rtol=1e-4, atol=1e-4)
+        x, w, kv = torch.randn(3, 32), torch.randn(37, 32), torch.randn(1, 40, 32)   # partial blocks
+        fn = compile_graph(fx.symbolic_trace(probe), "inductor", dynamic={"span": (0,)})
+        for L in (20, 36):
+            out = fn(x, w, kv, torch.empty(L))
+            keys = kv[0, :L]
+            for got, want in zip(out, (F.linear(x, w) + 1, (x @ keys.T) @ keys)):
+                torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
     except Exception as e:                                      # noqa: BLE001 - any failure: not offered
-        return False, f"the tiled kernel does not compile here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return False, f"the tiled kernels do not compile here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     return True, "compiled and checked"
