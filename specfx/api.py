@@ -27,7 +27,8 @@ class SpeculativeModel:
 
     def __init__(self, model, *, draft=None, num_speculative_tokens: int | None = None,
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
+                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None,
+                 prefill_chunk: int = pipeline.PREFILL_CHUNK):
         self.model = model.eval()
         drafter = pipeline.resolve_drafter(model, parse_draft(draft))
         tree = getattr(drafter, "tree", None)
@@ -38,7 +39,8 @@ class SpeculativeModel:
             len(tree) if tree is not None else default_num_speculative_tokens(model, 4)
         t0 = time.perf_counter()
         self.graphs = pipeline.build(model, drafter, k=k, batch_size=batch_size,
-                                     max_seq_len=max_seq_len, matmul=matmul_plan(model, backend, skinny_matmul))
+                                     max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                                     matmul=matmul_plan(model, backend, skinny_matmul))
         self.drafter = self.graphs.drafter
         self.runtime = Runtime(self.graphs, backend=backend, sync_every=sync_every, cudagraphs=cudagraphs)
         self.capture_s = time.perf_counter() - t0
@@ -107,7 +109,8 @@ class SpeculativeModel:
 
 def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None,
             max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-            sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None):
+            sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None,
+            prefill_chunk: int = pipeline.PREFILL_CHUNK):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
     `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4. With
@@ -115,10 +118,13 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
     step is captured as one CUDA graph (`cudagraphs="auto"`; False turns it off).
     `skinny_matmul` rewrites few-row matmuls where a measurement on this machine says the
     rewrite is faster (None: on for Inductor on the CPU; see `specfx.matmul_choice`).
+    A prompt is prefilled in chunks of at most `prefill_chunk` tokens (one graph serves every
+    width up to it): larger chunks read the weights fewer times and keep the matmuls wider,
+    smaller ones keep the prefill's activations and attention scores small.
     """
     kwargs = dict(draft=draft, num_speculative_tokens=num_speculative_tokens, max_seq_len=max_seq_len,
                   batch_size=batch_size, backend=backend, sync_every=sync_every, warmup=warmup,
-                  cudagraphs=cudagraphs, skinny_matmul=skinny_matmul)
+                  cudagraphs=cudagraphs, skinny_matmul=skinny_matmul, prefill_chunk=prefill_chunk)
     if model is None:
         def decorator(fn_or_model):
             m = fn_or_model() if callable(fn_or_model) and not isinstance(fn_or_model, torch.nn.Module) \

@@ -27,7 +27,9 @@ from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDraf
                                  NoDrafter, SpecStep, trace_step)
 from specfx.runtime.tree import Tree
 
-PREFILL_CHUNK = 64
+# Prefill chunk: one graph serves every width up to it. On the 2-core CPU a 115-token prompt
+# took 35 ms in chunks of 64 and 29 ms in one of 128 (fewer weight reads, wider matmuls).
+PREFILL_CHUNK = 128
 KV_ALIGN = 16                        # the KV length is a multiple of this
 
 
@@ -206,6 +208,8 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     if batch_size < 1 or max_seq_len < 2:
         raise ValueError(f"batch_size must be >= 1 and max_seq_len >= 2, got {batch_size}, {max_seq_len}")
+    if prefill_chunk < 2:
+        raise ValueError(f"prefill_chunk must be >= 2, got {prefill_chunk}")
     drafter = resolve_drafter(model, drafter)
     builder = _BUILDERS.get(type(drafter))
     if builder is None:

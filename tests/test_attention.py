@@ -81,7 +81,8 @@ def test_runtime_spans_cover_every_position(draft, tmp_path):
         from specfx.mtp import new_head, save_head
 
         draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
-    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=200, backend="eager")
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=200, backend="eager",
+                          prefill_chunk=32)
     assert fast.runtime.live_span
     ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1))
     live = fast.generate(ids, max_new_tokens=60, eos_token_id=[])

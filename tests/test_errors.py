@@ -26,6 +26,12 @@ def test_k_below_one(model, k):
         specfx.compile(model, draft="early-exit:2", num_speculative_tokens=k, backend="eager")
 
 
+@pytest.mark.parametrize("chunk", [1, 0])
+def test_prefill_chunk_below_two(model, chunk):
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 2"):
+        specfx.compile(model, draft="early-exit:2", prefill_chunk=chunk, backend="eager")
+
+
 def test_prompt_plus_new_tokens_beyond_max_seq_len(model):
     fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=2, max_seq_len=32, backend="eager")
     with pytest.raises(ValueError, match="exceeds max_seq_len=32"):

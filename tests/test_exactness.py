@@ -19,7 +19,8 @@ CASES = ([("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (3, 3), (2
 @pytest.mark.parametrize("draft,k", CASES)
 def test_greedy_equals_model_generate(arch, draft, k):
     model = tiny_model(arch, layers=4, seed=zlib.crc32(f"{arch}/{draft}/{k}".encode()) % 1000)  # stable seed
-    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=96, backend="eager")
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=96, backend="eager",
+                          prefill_chunk=64)
     g = torch.Generator().manual_seed(k)
     for prompt_len in (1, 7, 70):  # 70 > one prefill chunk of 64
         ids = torch.randint(3, 96, (1, prompt_len), generator=g)
@@ -39,7 +40,7 @@ def test_the_first_token_comes_from_the_prefill(draft):
     row at once."""
     model = tiny_model("llama", layers=4, seed=8)
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=96, batch_size=2,
-                          backend="eager")
+                          backend="eager", prefill_chunk=64)
     g = torch.Generator().manual_seed(2)
     for prompt_len in (1, 2, 64, 65):                     # a chunk boundary at the last prompt token
         ids = torch.randint(3, 96, (2, prompt_len), generator=g)

@@ -227,7 +227,7 @@ def test_greedy_equals_model_generate(tmp_path, layout, arch):
     model = tiny_model(arch, layers=4, seed=11)
     path, _ = published_folder(tmp_path / layout, model, layout, draft_vocab=64 if layout == "eagle3" else None)
     fast = specfx.compile(model, draft=specfx.MTPHead(path), num_speculative_tokens=3, max_seq_len=96,
-                          batch_size=2, backend="eager")
+                          batch_size=2, backend="eager", prefill_chunk=64)
     g = torch.Generator().manual_seed(3)
     for prompt_len in (1, 70):                                        # 70 > one prefill chunk of 64
         ids = torch.randint(3, V, (1, prompt_len), generator=g)

@@ -68,7 +68,7 @@ def models(request, tmp_path_factory):
 
         draft = specfx.MTPHead(save_head(new_head(model), tmp_path_factory.mktemp("head") / "head", model))
     pristine = specfx.compile(model, draft=draft, num_speculative_tokens=K, max_seq_len=MAX_SEQ_LEN,
-                              batch_size=B, backend="eager")
+                              batch_size=B, backend="eager", prefill_chunk=64)
     return copy.deepcopy(pristine), pristine
 
 

@@ -63,7 +63,7 @@ def test_expose_hidden_refuses_a_head_of_another_size():
 def test_greedy_equals_model_generate(tmp_path, arch, k):
     model = tiny_model(arch, layers=3, seed=40 + k)
     fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model)), num_speculative_tokens=k,
-                          max_seq_len=96, batch_size=2, backend="eager")
+                          max_seq_len=96, batch_size=2, backend="eager", prefill_chunk=64)
     g = torch.Generator().manual_seed(k)
     for prompt_len in (1, 70):   # 70 > one prefill chunk of 64
         ids = torch.randint(3, 96, (1, prompt_len), generator=g)
@@ -90,7 +90,7 @@ def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trai
     assert curve[-1]["agreement"] > curve[0]["agreement"]
     B, N = 24, 6
     fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model, head)), num_speculative_tokens=1,
-                          max_seq_len=128, batch_size=B, backend="eager")
+                          max_seq_len=128, batch_size=B, backend="eager", prefill_chunk=64)
     g = torch.Generator().manual_seed(1)
     lens = [2 + (i * 7) % 90 for i in range(B)]
     prompts = [torch.randint(3, 64, (n,), generator=g) for n in lens]
