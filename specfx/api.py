@@ -134,10 +134,15 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
     return SpeculativeModel(model, **kwargs)
 
 
+def skinny_default(model, backend: str) -> bool:
+    """Whether the skinny-matmul rewrite is on by default: for Inductor on the CPU."""
+    return backend == "inductor" and next(model.parameters()).device.type == "cpu"
+
+
 def matmul_plan(model, backend: str, skinny_matmul: bool | None):
     """The skinny-matmul choice for this model, or None where the rewrite is off."""
     from specfx.matmul_choice import MatmulPlan
 
     if skinny_matmul is None:
-        skinny_matmul = backend == "inductor" and next(model.parameters()).device.type == "cpu"
+        skinny_matmul = skinny_default(model, backend)
     return MatmulPlan(list(model.parameters())) if skinny_matmul else None

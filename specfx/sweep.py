@@ -143,11 +143,13 @@ def save_tree_default(checkpoint: str | Path, best: dict) -> None:
 
 def _profiled(model, draft, k, prompt, max_seq_len, backend):
     """A model ready for `profile()`: built and run eagerly (the fused step is not compiled),
-    with `backend` used for the draft and verify graphs that `profile()` compiles and times."""
+    with `backend` used for the draft and verify graphs that `profile()` compiles and times.
+    Its graphs get the matmul rewrite `backend` gets (the build decides it, not the compile)."""
     import specfx
+    from specfx.api import skinny_default
 
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
-                          backend="eager")
+                          backend="eager", skinny_matmul=skinny_default(model, backend))
     fast.generate(prompt, max_new_tokens=4)
     fast.runtime.backend = backend
     return fast

@@ -76,6 +76,26 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend,skinny", [("inductor", True), ("eager", False)])
+def test_sweeps_time_the_graphs_the_backend_builds(monkeypatch, backend, skinny):
+    """The sweeps build eagerly and compile only the timed parts: the build must still get the
+    matmul rewrite that `backend` gets (without it Inductor times BLAS matmuls)."""
+    import specfx
+    from specfx import sweep
+
+    built = {}
+
+    class Built:
+        def generate(self, *a, **kw):
+            pass
+
+        runtime = type("R", (), {})()
+
+    monkeypatch.setattr(specfx, "compile", lambda model, **kw: built.update(kw) or Built())
+    sweep._profiled(torch.nn.Linear(2, 2), "none", 1, torch.ones(1, 2, dtype=torch.long), 64, backend)
+    assert built["backend"] == "eager" and built["skinny_matmul"] is skinny
+
+
 def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path, capsys):
     """`specfx bench --sweep-tree`: the chain and each tree shape of an MTP head, with tokens
     per call and predicted speed; --save-default stores the best tree (none if the chain wins),
