@@ -76,8 +76,8 @@ class SkinnyMatmul(Pass):
             else:
                 choice = self.choose(*shape)
                 if choice.kernel == "tiled" and not _tiled_fits(node):
-                    choice = Choice("reduce", f"M={shape[0]}: not float32 contiguous weights, the tiled "
-                                              f"kernel's case: reduce")
+                    choice = Choice("reduce", f"M={shape[0]}: not the tiled kernel's case (float32 "
+                                              f"contiguous weights, a compiler for it): reduce")
             (rewrote if choice.rewrite else kept)[choice.reason] += 1
             if choice.kernel == "tiled":
                 _rewrite_tiled(gm, node, *shape)
@@ -106,10 +106,13 @@ def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
 
 
 def _tiled_fits(node: fx.Node) -> bool:
-    """The tiled kernel's case: float32 on the CPU, a contiguous weight."""
+    """The tiled kernel's case: float32 on the CPU, a contiguous weight, and an Inductor here
+    that compiles the kernel (a cached or user-supplied choice may name it where it does not)."""
+    from specfx.kernels.tiled_linear import available
+
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     return (x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu"
-            and w.is_contiguous())
+            and w.is_contiguous() and available()[0])
 
 
 def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from specfx.kernels import tiled_linear
-from specfx.passes.skinny_matmul import KERNELS, Choice
+from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, Choice
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 9
@@ -112,7 +112,8 @@ FORMS = {
 
 def _kernel_flags() -> str:
     """The Inductor settings and kernel versions a measurement was made with (a change re-measures)."""
-    return ",".join([f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items())] + [f"tiled={tiled_linear.VERSION}"])
+    return ",".join([f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items())]
+                    + [f"tiled={tiled_linear.VERSION}", f"chain={CHAIN_VERSION}"])
 
 
 def forms(weights: list[torch.Tensor]) -> list[str]:
@@ -142,9 +143,13 @@ def measure(weights: list[torch.Tensor], M: int) -> dict:
     return out
 
 
+CHAIN_VERSION = 2    # how `_chain` times the forms (a change re-measures)
+
+
 def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:
     """A graph `(*weights, *xs) -> [y_0, y_1, ...]` with y_i = kernel(w_i, xs[K of w_i] + y_{i-1}[:, :1]):
-    each linear waits for the one before, as in a step."""
+    each linear waits for the one before, as in a step. Its input is materialized first, as the
+    pass does for the reduction (the tiled kernel and BLAS take a realized input anyway)."""
     graph = fx.Graph()
     ws = [graph.placeholder(f"w{i}") for i in range(len(weights))]
     xs = {K: graph.placeholder(f"x{K}") for K in ks}
@@ -152,7 +157,7 @@ def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule
     outs, y = [], None
     for w, t in zip(ws, weights):
         x = fx.Proxy(xs[t.shape[1]], tracer)
-        y = kernel(fx.Proxy(w, tracer), x if y is None else x + y[:, :1])
+        y = kernel(fx.Proxy(w, tracer), MATERIALIZE(x if y is None else x + y[:, :1], [t.shape[1], 1]))
         outs.append(y.node)
     graph.output(outs)
     return fx.GraphModule(torch.nn.Module(), graph)

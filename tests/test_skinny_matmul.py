@@ -77,7 +77,19 @@ def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():
     cg = capture(model, width=2, max_seq_len=32)
     res = SkinnyMatmul(TILED)(cg.gm)
     assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
-    assert "not float32 contiguous weights, the tiled kernel's case: reduce" in res.reason
+    assert "not the tiled kernel's case (float32 contiguous weights, a compiler for it): reduce" in res.reason
+
+
+def test_tiled_choice_falls_back_where_the_kernel_does_not_compile(monkeypatch):
+    from specfx import attention
+    from specfx.kernels import tiled_linear as kernels
+
+    for module in (kernels, attention):                            # attention asks too, at capture
+        monkeypatch.setattr(module, "available", lambda: (False, "no compiler"))
+    cg = capture(tiny_model("llama", layers=1), width=2, max_seq_len=32)
+    res = SkinnyMatmul(TILED)(cg.gm)
+    assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
+    assert "a compiler for it): reduce" in res.reason
 
 
 def test_keeps_what_the_choice_refuses_and_says_why():

@@ -201,7 +201,8 @@ static inline void mix_tile(const float* __restrict p, const float* __restrict v
 }
 
 // Batch b: y[b] = p[b] @ v[b], p [M, L] and y [M, D] contiguous, v's rows D apart and its
-// batches vb apart. D is a multiple of V; query rows in tiles that keep 16 accumulators.
+// batches vb apart. D is a multiple of V; query rows in tiles of 4, 2 or 1 as D / V grows
+// (RM * D / V accumulators: 16 for D = 64 or 256 with AVX-512, 32 for D = 256 with AVX2).
 template <int M, int D>
 static void mix(const float* p, const float* v, float* y, int batches, long L, long vb, int threads) {
   static_assert(D % V == 0, "rows of whole vectors");
