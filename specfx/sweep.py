@@ -39,7 +39,8 @@ class SweepResult:
 
 
 def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, num_prompts: int = 8,
-               ks=KS, backend: str = "inductor", log=print) -> SweepResult:
+               ks=KS, layers=None, backend: str = "inductor", log=print) -> SweepResult:
+    """The (E, k) sweep over exit layers `layers` (default: every layer below the last)."""
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
     max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
     L = model.config.num_hidden_layers
@@ -48,7 +49,11 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     base = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
     result.decode_ms = base.profile()[1] * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
-    for E in range(1, L):
+    layers = list(range(1, L)) if layers is None else list(layers)
+    if not layers or any(not 1 <= E < L for E in layers):
+        raise ValueError(f"exit layers must be in 1..{L - 1}, got {layers}")
+    result.settings["exit_layers"] = layers
+    for E in layers:
         acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len)
         for k in ks:
             draft_s, verify_s = _profiled(model, f"early-exit:{E}", k, encoded[0], max_seq_len, backend).profile()

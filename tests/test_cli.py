@@ -74,6 +74,11 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     assert fast.drafter.layer == result.best["exit_layer"]
     assert fast.num_speculative_tokens == result.best["k"]
     torch._dynamo.reset()
+    some = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1,), layers=[2],
+                      backend="eager", log=lambda m: None)
+    assert [(r["exit_layer"], r["k"]) for r in some.rows] == [(2, 1)]
+    with pytest.raises(ValueError, match="exit layers must be in 1..3"):
+        sweep_exit(model, tok, zoo.prompts()[:1], layers=[4], backend="eager", log=lambda m: None)
 
 
 @pytest.mark.parametrize("backend,skinny", [("inductor", True), ("eager", False)])

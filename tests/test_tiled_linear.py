@@ -39,7 +39,7 @@ def test_eager_ops_are_the_products():
 def test_attention_kernels_read_a_span_of_a_cache_in_place():
     """Scores of queries against the first L slots of a [B, S, D] cache, and the weighted sum of
     its values, for spans of several lengths through one compiled graph (L is symbolic): every
-    query-row tile, whole and partial blocks of slots, rows of 1 to 8 vectors."""
+    query-row tile, whole and partial blocks of slots, rows of 1 to 16 vectors."""
     from torch._inductor.utils import run_and_get_code
 
     def attend(q, p, k, v, span):
@@ -48,7 +48,7 @@ def test_attention_kernels_read_a_span_of_a_cache_in_place():
                 torch.ops.specfx.tiled_mix(p[:, :, :L], v[:, :L], tiled_linear.VERSION))
 
     gen = torch.Generator().manual_seed(1)
-    for M, D in ((1, 64), (5, 16), (6, 128), (16, 64)):
+    for M, D in ((1, 64), (5, 16), (6, 128), (16, 64), (3, 256)):          # 256: the widest head mix_fits takes
         q, p = torch.randn(3, M, D, generator=gen), torch.randn(3, M, 90, generator=gen)
         k, v = torch.randn(3, 90, D, generator=gen), torch.randn(3, 90, D, generator=gen)
         fn = compile_graph(fx.symbolic_trace(attend), "inductor", dynamic={"span": (0,)})

@@ -50,6 +50,8 @@ def add_parser(sub):
     p.add_argument("--top-k", type=int, default=0, help="with --sample (0: off)")
     p.add_argument("--sweep-exit", action="store_true",
                    help="try every exit layer and k in {2,3,4,6}; print the sweet spot")
+    p.add_argument("--exit-layers", default=None,
+                   help="with --sweep-exit: the exit layers to try, comma-separated (default: every one)")
     p.add_argument("--sweep-tree", action="store_true",
                    help="try draft-tree shapes of --sweep-draft against its chain of k; print the best")
     p.add_argument("--sweep-draft", default="mtp",
@@ -114,8 +116,9 @@ def run(args) -> int:
     if args.sweep_exit:
         from specfx.sweep import render_sweep, save_default, sweep_exit
 
+        layers = None if args.exit_layers is None else [int(e) for e in args.exit_layers.split(",")]
         result = sweep_exit(model, tok, prompts, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                            log=lambda m: console.print(m, style="dim", markup=False))
+                            layers=layers, log=lambda m: console.print(m, style="dim", markup=False))
         _report_sweep(result, render_sweep(result), args, console)
         if args.save_default:
             save_default(path, result.best)
