@@ -36,7 +36,7 @@ class SpeculativeModel:
             raise ValueError(f"draft {drafter}: the tree sets the drafts per step (depth {len(tree)}); "
                              f"num_speculative_tokens={num_speculative_tokens} disagrees: leave it out")
         k = num_speculative_tokens if num_speculative_tokens is not None else \
-            len(tree) if tree is not None else default_num_speculative_tokens(model, 4)
+            len(tree) if tree is not None else default_num_speculative_tokens(model, 4, drafter)
         t0 = time.perf_counter()
         self.graphs = pipeline.build(model, drafter, k=k, batch_size=batch_size,
                                      max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,

@@ -174,7 +174,9 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     max_seq_len = -(-(longest + max_new_tokens) // 64) * 64
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     default_exit = default_exit_layer(model)
-    k = k or getattr(model.config, "specfx_num_speculative_tokens", None)
+    # `k` (None: each drafter's default, see `default_num_speculative_tokens`); the model's k
+    # for the transformers baselines that take one.
+    model_k = k or getattr(model.config, "specfx_num_speculative_tokens", None)
     settings = dict(prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup,
                     greedy=sampling is None, sampling=sampling, backend=backend, max_seq_len=max_seq_len,
                     threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -188,7 +190,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
 
     for method in methods:
-        base, arg = parse_method(method, default_exit, k or 4)
+        base, arg = parse_method(method, default_exit, model_k or 4)
         name = f"{base}:{arg}" if arg is not None else base
         compile_s, fast, config = None, None, ""
         if base.startswith(SPECFX_PREFIX):

@@ -230,9 +230,14 @@ def default_mtp_head(model) -> str:
     return str(head)
 
 
-def default_num_speculative_tokens(model, fallback: int) -> int:
-    """k chosen by the sweep for this model (`config.specfx_num_speculative_tokens`), else `fallback`."""
-    return int(getattr(model.config, "specfx_num_speculative_tokens", None) or fallback)
+def default_num_speculative_tokens(model, fallback: int, drafter=None) -> int:
+    """The model's k for `drafter`, else `fallback`: early exit's own from the exit-layer sweep
+    (`config.specfx_exit_num_speculative_tokens`, with `specfx_exit_layer`), otherwise the
+    model's (`config.specfx_num_speculative_tokens`)."""
+    config = model.config
+    if isinstance(drafter, EarlyExit) and getattr(config, "specfx_exit_num_speculative_tokens", None):
+        return int(config.specfx_exit_num_speculative_tokens)
+    return int(getattr(config, "specfx_num_speculative_tokens", None) or fallback)
 
 
 def check_same_tokenizer(target, draft) -> None:

@@ -190,9 +190,10 @@ def render_sweep(result: SweepResult):
 
 
 def save_default(checkpoint: str | Path, best: dict) -> None:
-    """Record the sweet spot in config.json (read by `specfx.EarlyExit()` and k=None)."""
+    """Record the sweet spot in config.json: the exit layer `specfx.EarlyExit()` takes, and
+    early exit's k (the other drafters keep the model's `specfx_num_speculative_tokens`)."""
     path = Path(checkpoint) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["specfx_exit_layer"] = best["exit_layer"]
-    cfg["specfx_num_speculative_tokens"] = best["k"]
+    cfg["specfx_exit_num_speculative_tokens"] = best["k"]
     path.write_text(json.dumps(cfg, indent=2) + "\n")

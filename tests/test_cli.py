@@ -61,9 +61,9 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
 
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # save_default edits config.json
     model, tok, path = load_model(str(path))
-    result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1, 2),
+    result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
                         backend="eager", log=lambda m: None)
-    assert len(result.rows) == 3 * 2
+    assert len(result.rows) == 3 * 2 and {r["k"] for r in result.rows} == {3, 5}   # neither is the model's 4
     assert result.best in result.rows
     assert all(r["step_ms"] > 0 and 1 <= r["tokens_per_step"] <= r["k"] + 1 for r in result.rows)
     save_default(path, result.best)
@@ -73,6 +73,9 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     fast = specfx.compile(model2, draft="early-exit", max_seq_len=32, backend="eager")
     assert fast.drafter.layer == result.best["exit_layer"]
     assert fast.num_speculative_tokens == result.best["k"]
+    # The sweep's k is early exit's: the other drafters keep the model's.
+    other = specfx.compile(model2, draft="ngram:2", max_seq_len=32, backend="eager").num_speculative_tokens
+    assert other == (getattr(model.config, "specfx_num_speculative_tokens", None) or 4)
     torch._dynamo.reset()
     some = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1,), layers=[2],
                       backend="eager", log=lambda m: None)
