@@ -10,7 +10,8 @@ cannot run several of them in one loop), in graphs compiled as the runtime compi
 - **reduce**: the pass's product-and-sum, which Inductor generates itself;
 - **BLAS**: `F.linear`, which Inductor hands to the BLAS library;
 
-median of `REPEATS` passes, and the fastest is chosen for that row count. Timing one small
+median of `REPEATS` passes taken round-robin over the kernels (so that the machine's drift
+reaches each alike), and the fastest is chosen for that row count. Timing one small
 weight at a time in a loop misleads: in cache, or with the call overhead of a lone kernel, a
 BLAS call looks faster than it runs in a step, where each weight is read once from memory.
 A row count is measured once per machine and weight set: results are kept in
@@ -37,7 +38,7 @@ from specfx.kernels import tiled_linear
 from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, Choice
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
-REPEATS = 9
+REPEATS = 15
 _SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}
 _memory: dict[str, dict] = {}
 
@@ -129,21 +130,23 @@ def measure(weights: list[torch.Tensor], M: int) -> dict:
     w0 = weights[0]
     xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
     args = [*weights, *(xs[K] for K in ks)]
-    out = {"linears": len(weights)}
+    names = forms(weights)
+    fns = {name: compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
+           for name in names}
+    times = {name: [] for name in names}
     with torch.no_grad():
-        for name in forms(weights):
-            fn = compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
-            times = []
-            for r in range(REPEATS + 1):
+        # Round-robin, so that a drift in the machine's speed reaches every kernel alike (timed
+        # one kernel after another, a slow moment once decided a choice).
+        for r in range(REPEATS + 1):
+            for name in names:
                 t = time.perf_counter()
-                fn(*args)
-                if r:                                    # the first pass warms up
-                    times.append(time.perf_counter() - t)
-            out[f"{name}_ms"] = statistics.median(times) * 1e3
-    return out
+                fns[name](*args)
+                if r:                                    # the first round warms up
+                    times[name].append(time.perf_counter() - t)
+    return {"linears": len(weights), **{f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}}
 
 
-CHAIN_VERSION = 2    # how `_chain` times the forms (a change re-measures)
+CHAIN_VERSION = 3    # how the forms are timed (a change re-measures)
 
 
 def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:
