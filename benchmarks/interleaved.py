@@ -19,6 +19,7 @@ import time
 
 import specfx
 from specfx import zoo
+from specfx.bench import cache_length
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     model, tok = zoo.load("pycoder")
     prompts = [tok(p, return_tensors="pt").input_ids for p in zoo.prompts()[: args.num_prompts]]
     specs = args.drafts.split(",")
-    max_seq_len = -(-(max(p.shape[1] for p in prompts) + args.max_new_tokens) // 64) * 64
+    max_seq_len = cache_length(prompts, args.max_new_tokens)
     fast = {s: specfx.compile(model, draft=s, max_seq_len=max_seq_len) for s in specs}
     for f in fast.values():                                      # warm-up
         for ids in prompts[:2]:

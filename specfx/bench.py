@@ -110,6 +110,12 @@ METHODS = {
 DEFAULT_DRAFT = "pycoder-draft"
 
 
+def cache_length(encoded: list, max_new_tokens: int) -> int:
+    """The static cache length a benchmark compiles for: the longest prompt (token ids [1, P])
+    plus the new tokens, rounded up to a multiple of 64: one cache serves every prompt."""
+    return -(-(max(e.shape[-1] for e in encoded) + max_new_tokens) // 64) * 64
+
+
 def parse_method(method: str, default_exit: int, k: int) -> tuple[str, str | None]:
     """(base, argument) with defaults filled: "specfx:ngram" -> ("specfx:ngram", "3")."""
     prefix = SPECFX_PREFIX if method.startswith(SPECFX_PREFIX) else ""
@@ -170,8 +176,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
 
     device = next(model.parameters()).device
     encoded = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in prompts]
-    longest = max(e.shape[1] for e in encoded)
-    max_seq_len = -(-(longest + max_new_tokens) // 64) * 64
+    max_seq_len = cache_length(encoded, max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     default_exit = default_exit_layer(model)
     # `k` (None: each drafter's default, see `default_num_speculative_tokens`); the model's k

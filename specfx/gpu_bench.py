@@ -289,12 +289,13 @@ def pycoder_drafters(check: Check) -> dict:
     """pycoder with each drafter, while time allows: tokens/s and mean accepted tokens per call."""
     import specfx
     from specfx import zoo
+    from specfx.bench import cache_length
 
     model, tok = zoo.load("pycoder", dtype=check.dtype)
     model = model.to(check.device)
     s = check.work
     prompts = [tok(p, return_tensors="pt").input_ids.to(check.device) for p in zoo.prompts()[: s.num_prompts]]
-    max_seq_len = -(-(max(p.shape[1] for p in prompts) + s.max_new_tokens) // 64) * 64
+    max_seq_len = cache_length(prompts, s.max_new_tokens)
     out = {}
     for draft in s.drafters:
         left = check.report.time_left()

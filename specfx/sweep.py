@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from specfx.bench import cache_length
+
 KS = (2, 3, 4, 6)
 
 
@@ -42,17 +44,16 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
                ks=KS, layers=None, backend: str = "inductor", log=print) -> SweepResult:
     """The (E, k) sweep over exit layers `layers` (default: every layer below the last)."""
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
-    max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
+    max_seq_len = cache_length(encoded, max_new_tokens)
     L = model.config.num_hidden_layers
-    result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, ks=list(ks),
-                                       backend=backend, max_seq_len=max_seq_len))
-    base = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
-    result.decode_ms = base.profile()[1] * 1e3
-    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
     layers = list(range(1, L)) if layers is None else list(layers)
     if not layers or any(not 1 <= E < L for E in layers):
         raise ValueError(f"exit layers must be in 1..{L - 1}, got {layers}")
-    result.settings["exit_layers"] = layers
+    result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, ks=list(ks),
+                                       exit_layers=layers, backend=backend, max_seq_len=max_seq_len))
+    base = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
+    result.decode_ms = base.profile()[1] * 1e3
+    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
     for E in layers:
         acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len)
         for k in ks:
@@ -88,7 +89,7 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
     import specfx
 
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
-    max_seq_len = -(-(max(e.shape[1] for e in encoded) + max_new_tokens) // 64) * 64
+    max_seq_len = cache_length(encoded, max_new_tokens)
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, draft=draft, k=k,
                                        trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len))
     result.decode_ms = _profiled(model, "none", 1, encoded[0], max_seq_len, backend).profile()[1] * 1e3
