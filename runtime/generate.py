@@ -4,8 +4,9 @@
 - `Runtime.generate(prompts, max_new_tokens, eos_ids, streamer)` returns the new tokens of each
   row and a `GenerationStats`. The prefill writes every prompt token's KV and appends each
   row's first new token (from the target's head over the last prompt token's hidden state:
-  no drafting before the first token). The host reads device state once after it (TTFT) and
-  then at most every `sync_every` steps (done flags and lengths, and new tokens for the
+  no drafting before the first token). The host reads device state once after it (TTFT); a
+  draft model's own prefill runs only then, as the first token needs none. Then the host reads
+  at most every `sync_every` steps (done flags and lengths, and new tokens for the
   streamer); near the end it reads sooner, so that no step runs once every row is done.
 - `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
 """
@@ -84,22 +85,20 @@ class Runtime:
         return self.graphs.max_seq_len
 
     @torch.no_grad()
-    def prefill(self, longest_prompt: int, sample: bool = False) -> None:
+    def prefill(self, longest_prompt: int, sample: bool = False, drafts: bool = True) -> None:
         """Write the KV of every prompt token, in chunks of at most `prefill_chunk` tokens (and
         at least 2: a slot past the prompt is the first new token's, which the first step writes
         again), then append each row's first new token: the argmax (or, with `sample`, a draw
-        from the warped distribution) of the target's logits at its last prompt token."""
-        st, C = self.state, self.graphs.prefill_chunk
+        from the warped distribution) of the target's logits at its last prompt token. Then,
+        with `drafts`, a draft model's prefill (`prefill_drafts`); `generate` runs that after
+        the first token is out, since no draft is needed for it."""
+        st = self.state
         last = st.lengths - 1                                         # [B]: each row's last prompt token
         hidden = None
-        for start in range(0, longest_prompt, C):
-            width = max(2, min(C, longest_prompt - start))
-            pos = torch.arange(start, start + width, device=self.device).clamp(max=st.seq_len - 1)
-            pos = pos.expand(st.batch_size, width).contiguous()      # [B, W]
-            ids = st.tokens.gather(1, pos)
-            self.cover(start + width)
-            outs = [fn(ids, pos, st.span, *st.kv[kv]) for fn, kv in self.prefill_fns]   # target, then a draft model
-            h = outs[0][0]                                            # [B, W, H]: the target's last layer
+        fn, kv = self.prefill_fns[0]                                  # the target's (with any head it fills)
+        for start, ids, pos in self._chunks(longest_prompt):
+            h = fn(ids, pos, st.span, *st.kv[kv])[0]                  # [B, W, H]: the target's last layer
+            width = pos.shape[1]
             at = (last - start).clamp(0, width - 1)[:, None, None].expand(-1, 1, h.shape[-1])
             here = ((last >= start) & (last < start + width))[:, None, None]
             hidden = h.gather(1, at) if hidden is None else torch.where(here, h.gather(1, at), hidden)
@@ -108,6 +107,27 @@ class Runtime:
             st.draw()
         first = propose(logits, sample and self.filters, st.noise[:, 0], (st.temperature, st.top_k, st.top_p))[0]
         commit(st.tokens, st.lengths, st.max_lens, st.done, st.eos, self._first_hist, first, last * 0)
+        if drafts:
+            self.prefill_drafts(longest_prompt)
+
+    @torch.no_grad()
+    def prefill_drafts(self, longest_prompt: int) -> None:
+        """A draft model's prefill over the prompts (nothing for the other drafters), chunked
+        as the target's; it must run before the first step."""
+        st = self.state
+        for fn, kv in self.prefill_fns[1:]:
+            for _, ids, pos in self._chunks(longest_prompt):
+                fn(ids, pos, st.span, *st.kv[kv])
+
+    def _chunks(self, longest_prompt: int):
+        """(start, ids [B, W], positions [B, W]) of each prefill chunk, the span covering it."""
+        st, C = self.state, self.graphs.prefill_chunk
+        for start in range(0, longest_prompt, C):
+            width = max(2, min(C, longest_prompt - start))
+            pos = torch.arange(start, start + width, device=self.device).clamp(max=st.seq_len - 1)
+            pos = pos.expand(st.batch_size, width).contiguous()      # [B, W]
+            self.cover(start + width)
+            yield start, st.tokens.gather(1, pos), pos
 
     def cover(self, positions: int | None = None, steps: int = 0) -> None:
         """Make attention span every position below `positions` (default: the longest row's
@@ -187,7 +207,7 @@ class Runtime:
         _sync(self.device)
         with PeakMemory(self.device) as mem:
             t0 = time.perf_counter()
-            self.prefill(max(prompt_lens), sample=sampling is not None)
+            self.prefill(max(prompt_lens), sample=sampling is not None, drafts=False)
             limits = [p + max_new_tokens for p in prompt_lens]
             left = self.steps_left(limits)                            # sync: first tokens are ready
             t_first = time.perf_counter()
@@ -195,6 +215,8 @@ class Runtime:
             first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
             if streamer is not None:
                 self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
+            if left > 0 and max_new_tokens > 1:          # the draft model catches up before the first step
+                self.prefill_drafts(max(prompt_lens))
             steps = 0
             # Each step emits >= 1 token per active row: max_new_tokens - 1 steps always suffice.
             while steps < max_new_tokens - 1 and left > 0:

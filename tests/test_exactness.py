@@ -137,6 +137,34 @@ def test_draft_model_greedy_equals_model_generate(arch, draft_vocab):
         assert_greedy_equal(model, ours, hf_greedy(model, ids, 20), prompt_len)
 
 
+def test_first_token_is_out_before_the_draft_model_prefills():
+    """The first token needs no draft: it is streamed (and TTFT taken) before the draft model's
+    prefill, which the steps then need (the draft KV is written before the first step)."""
+    model, draft = tiny_model("llama", layers=3, seed=5), tiny_model("llama", layers=3, seed=5)
+    fast = specfx.compile(model, draft=specfx.DraftModel(draft), num_speculative_tokens=3, max_seq_len=64,
+                          backend="eager", warmup=False)
+    rt = fast.runtime
+    calls = []
+    fn, kv = rt.prefill_fns[1]
+    rt.prefill_fns[1] = (lambda *a: calls.append(1) or fn(*a)), kv
+
+    class Order(RecordingStreamer):
+        def put(self, value):
+            super().put(value)
+            self.draft_calls_at_put = getattr(self, "draft_calls_at_put", []) + [len(calls)]
+
+    ids = torch.randint(3, 96, (1, 6))
+    s = Order()
+    out = fast.generate(ids, max_new_tokens=12, eos_token_id=[], streamer=s)
+    assert s.draft_calls_at_put[:2] == [0, 0]          # the prompt, then the first token: no draft prefill yet
+    assert calls and s.draft_calls_at_put[-1] == len(calls)
+    assert_greedy_equal(model, out, hf_greedy(model, ids, 12), 6)
+    assert fast.last_stats.acceptance_by_position == [1.0] * 3      # its KV was there for every step
+    calls.clear()
+    fast.generate(ids, max_new_tokens=1, eos_token_id=[])           # no step: no draft prefill at all
+    assert not calls
+
+
 def test_draft_model_identical_to_target_accepts_everything():
     model = tiny_model("qwen2", layers=3, seed=5)
     fast = specfx.compile(model, draft=specfx.DraftModel(tiny_model("qwen2", layers=3, seed=5)),
