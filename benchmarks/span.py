@@ -38,14 +38,14 @@ def main() -> None:
         fast.generate(prompt, max_new_tokens=2, eos_token_id=[])
         rt = fast.runtime
         rt.cover(steps=1)
-        calls[S] = rt._profile_call("decode", (rt.state.lengths - 1)[:, None], None)
+        calls[S] = rt.part_call("decode")
     times = {S: [] for S in calls}
     for _ in range(25):
-        for S, (fn, fn_args) in calls.items():
-            fn(*fn_args)
+        for S, fn in calls.items():
+            fn()
             t = time.perf_counter()
             for _ in range(10):
-                fn(*fn_args)
+                fn()
             times[S].append((time.perf_counter() - t) / 10 * 1e3)
     ms = {S: statistics.median(v) for S, v in times.items()}
     base = min(ms)

@@ -273,23 +273,28 @@ class Runtime:
         is a few tensor ops). Verifying is one call of the verify graph (or, without a
         drafter, the decode graph).
         """
-        st, g = self.state, self.graphs
-        last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
+        g = self.graphs
         self.cover(steps=1)
         self.draft_s, exit_hidden = 0.0, None
         for name, calls in g.draft_calls.items():
-            fn, args = self._profile_call(name, last, exit_hidden)
-            self.draft_s += _median_time(lambda: fn(*args), repeats, self.device) * calls
+            call = self.part_call(name, exit_hidden)
+            self.draft_s += _median_time(call, repeats, self.device) * calls
             if name == "draft":
-                exit_hidden = fn(*args)[-1]                           # early exit: feeds verify
-        name = "verify" if "verify" in g.parts else "decode"
-        fn, args = self._profile_call(name, last, exit_hidden)
-        self.verify_s = _median_time(lambda: fn(*args), repeats, self.device)
+                exit_hidden = call()[-1]                              # early exit: feeds verify
+        self.verify_s = _median_time(self.part_call(self.verify_part, exit_hidden), repeats, self.device)
         return self.draft_s, self.verify_s
 
-    def _profile_call(self, name: str, last: torch.Tensor, exit_hidden):
-        """A part compiled alone and example inputs at its width, built from its input names."""
+    @property
+    def verify_part(self) -> str:
+        """The part that verifies: "verify", or "decode" without a drafter."""
+        return "verify" if "verify" in self.graphs.parts else "decode"
+
+    def part_call(self, name: str, exit_hidden: torch.Tensor | None = None):
+        """A call of part `name` (see `Graphs.parts`) compiled alone, on example inputs at its
+        width for the state's rows as they stand (the pending token at each row's last
+        position; `cover` the span first); early exit's verify reads `exit_hidden`."""
         st, gm = self.state, self.graphs.parts[name]
+        last = (st.lengths - 1).clamp(min=0)[:, None]                # [B, 1]
         kv = st.kv[self.graphs.kv_slices[name]]
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
         width = inputs[0].meta["val"].shape[1]                      # input_ids, or hidden states [B, W, H]
@@ -304,7 +309,8 @@ class Runtime:
                 val = n.meta["val"]
                 values[n.name] = torch.zeros(val.shape, dtype=val.dtype, device=self.device)
             args.append(values[n.name])
-        return self._compile(gm), (*args, *kv)
+        fn, args = self._compile(gm), (*args, *kv)
+        return lambda: fn(*args)
 
 
 def _median_time(fn, repeats: int, device) -> float:

@@ -126,24 +126,37 @@ def forms(weights: list[torch.Tensor]) -> list[str]:
 
 def measure(weights: list[torch.Tensor], M: int) -> dict:
     """Median ms of all `weights` at M rows through each kernel of `forms`: `{"linears": n, "<kernel>_ms": ms}`."""
+    times = round_robin(chains(weights, M), REPEATS)
+    return {"linears": len(weights), **{f"{name}_ms": s * 1e3 for name, s in times.items()}}
+
+
+def chains(weights: list[torch.Tensor], M: int) -> dict:
+    """kernel -> a call that runs all `weights` at M rows through it (compiled; see `_chain`)."""
     ks = sorted({w.shape[1] for w in weights})
     w0 = weights[0]
     xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
     args = [*weights, *(xs[K] for K in ks)]
-    names = forms(weights)
-    fns = {name: compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
-           for name in names}
-    times = {name: [] for name in names}
+    out = {}
+    for name in forms(weights):
+        fn = compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
+        out[name] = lambda fn=fn: fn(*args)
+    return out
+
+
+def round_robin(calls: dict, repeats: int) -> dict:
+    """name -> median seconds of `calls[name]()`, timed in `repeats` rounds that each call every
+    one once (after a round of warm-up), so that a drift in the machine's speed reaches each
+    alike: timed one after another, a slow moment once decided a kernel choice, and a step
+    compared with a probe timed seconds apart moved by a third."""
+    times = {name: [] for name in calls}
     with torch.no_grad():
-        # Round-robin, so that a drift in the machine's speed reaches every kernel alike (timed
-        # one kernel after another, a slow moment once decided a choice).
-        for r in range(REPEATS + 1):
-            for name in names:
+        for r in range(repeats + 1):
+            for name, fn in calls.items():
                 t = time.perf_counter()
-                fns[name](*args)
-                if r:                                    # the first round warms up
+                fn()
+                if r:
                     times[name].append(time.perf_counter() - t)
-    return {"linears": len(weights), **{f"{name}_ms": statistics.median(times[name]) * 1e3 for name in names}}
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 CHAIN_VERSION = 3    # how the forms are timed (a change re-measures)

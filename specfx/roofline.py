@@ -14,17 +14,20 @@ time the machine needs to stream those bytes. `roofline(model, ...)` measures
   sequence;
 - each step's time (its graph alone, as `SpeculativeModel.profile` times it) and achieved GB/s,
   and that as a fraction of the probe.
+
+Probes and steps are timed together, round-robin (`matmul_choice.round_robin`, median of
+`REPEATS` rounds): on a shared or virtual machine the speed drifts by a third between phases,
+and figures timed one after another would compare the phases, not the steps.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import fx
 
+from specfx.matmul_choice import round_robin
 from specfx.runtime.compile import CPU_INDUCTOR
 
 REPEATS = 15
@@ -77,30 +80,27 @@ def linear_weights(model) -> list[torch.Tensor]:
     return out
 
 
-def probes(weights: list[torch.Tensor]) -> dict[str, float]:
-    """GB/s of the machine on these weights' bytes, several ways (see the module docstring)."""
+def probes(weights: list[torch.Tensor]) -> dict:
+    """probe name -> a call that reads these weights' bytes (see the module docstring)."""
     from specfx.kernels import tiled_linear
-    from specfx.matmul_choice import measure
+    from specfx.matmul_choice import chains
     from specfx.runtime.compile import compile_graph
 
+    names = {"tiled": "tiled kernel", "reduce": "skinny reduction", "blas": "BLAS"}
+    out = {f"linears, {names[kernel]}": call for kernel, call in chains(weights, 1).items()}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    linears = measure(weights, 1)
-    out = {f"linears, {name}": nbytes / linears[f"{kernel}_ms"] / 1e6
-           for kernel, name in (("tiled", "tiled kernel"), ("reduce", "skinny reduction"), ("blas", "BLAS"))
-           if f"{kernel}_ms" in linears}
     flat = torch.empty(nbytes // weights[0].element_size(), dtype=weights[0].dtype,
                        device=weights[0].device).normal_()
     gm = fx.symbolic_trace(lambda x: x.sum())
     with torch.no_grad(), torch._inductor.config.patch(CPU_INDUCTOR):
         total = torch._inductor.compile(gm, [flat])
-    out["flat sum"] = nbytes / _median_ms(lambda: total(flat)) / 1e6
+    out["flat sum"] = lambda: total(flat)
     if "linears, tiled kernel" in out:           # one matrix of the same bytes: a plain stream of reads
         matrix = flat[: flat.numel() // FLAT_K * FLAT_K].view(-1, FLAT_K)
         row = torch.randn(1, FLAT_K, dtype=flat.dtype, device=flat.device)
         gm = fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION))
         read = compile_graph(gm, "inductor")
-        out["flat matrix, tiled kernel"] = matrix.numel() * matrix.element_size() / _median_ms(
-            lambda: read(row, matrix)) / 1e6
+        out["flat matrix, tiled kernel"] = lambda: read(row, matrix)
     return out
 
 
@@ -123,21 +123,31 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
     wbytes = sum(w.numel() * w.element_size() for w in weights)
     emb = model.get_input_embeddings().weight
     device = next(model.parameters()).device
-    result = Roofline(str(device), torch.get_num_threads(), context, probes(weights))
     prompt = torch.randint(3, min(emb.shape[0], 1000), (1, context), device=device)
     if any(r < 2 for r in verify_rows):
         raise ValueError(f"verify rows must be >= 2 (the pending token and a draft), got {verify_rows}")
     widths = [("decode", "none", 1), ("verify", "ngram:3", k + 1)]
     widths += [("verify", "ngram:3", r) for r in sorted(set(verify_rows) - {k + 1})]
+    calls = probes(weights)
+    steps = []
     for i, (name, draft, rows) in enumerate(widths):
         fast = specfx.compile(model, draft=draft, num_speculative_tokens=max(1, rows - 1), max_seq_len=max_seq_len)
         if i < 2:
             fast.generate(prompt, max_new_tokens=2, eos_token_id=[])
         else:        # only the verify graph is timed: the cache's length matters, not its values
             fast.graphs.state.load_prompts([prompt[0]], 2, [])
-        _, verify_s = fast.profile(repeats=REPEATS)
+        rt = fast.runtime
+        rt.cover(steps=1)
+        key = f"{name} {rows}"
+        calls[key] = rt.part_call(rt.verify_part)
         row_bytes = rows * emb.shape[1] * emb.element_size()
-        result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), verify_s * 1e3))
+        steps.append((key, StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), 0.0)))
+    times = round_robin(calls, REPEATS)
+    result = Roofline(str(device), torch.get_num_threads(), context,
+                      {name: wbytes / times[name] / 1e9 for name in calls if name not in dict(steps)})
+    for key, step in steps:
+        step.ms = times[key] * 1e3
+        result.steps.append(step)
     return result
 
 
@@ -155,12 +165,3 @@ def render(r: Roofline):
     return t
 
 
-def _median_ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3

@@ -130,3 +130,12 @@ def test_measure_times_every_kernel_on_the_models_weights():
     t = matmul_choice.measure(weights, 2)
     assert t["linears"] == 2 and t["tiled_ms"] > 0 and t["reduce_ms"] > 0 and t["blas_ms"] > 0
     assert matmul_choice.forms([w.bfloat16() for w in weights]) == ["reduce", "blas"]
+
+
+def test_round_robin_calls_each_in_turn_and_drops_the_warm_up_round(monkeypatch):
+    order, clock = [], iter(range(1000))
+    monkeypatch.setattr(matmul_choice.time, "perf_counter", lambda: next(clock))
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    times = matmul_choice.round_robin(calls, 3)
+    assert order == ["a", "b", "c"] * 4                            # interleaved, not one after another
+    assert times == {"a": 1, "b": 1, "c": 1}                       # each call spans one tick of the clock
