@@ -16,8 +16,8 @@
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
 
-Their last argument is `VERSION`, a hash of the header, so that a changed kernel is a changed
-graph for Inductor's cache. float32 on the CPU only.
+Their last argument is `VERSION`, a hash of the header and of this module (the lowerings), so
+that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
-VERSION = int(hashlib.sha256(SOURCE.encode()).hexdigest()[:7], 16)
+VERSION = int(hashlib.sha256((SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
 _ARG_TYPES = ["const float*", "const float*", "float*", "const int64_t"]
 
 
@@ -76,18 +76,16 @@ def register() -> None:
         return ir.ExternKernel.copy_input(t) if t.get_layout().offset != 0 else t
 
     def rows(t):
-        """t [B, R, C] as it is where its rows are whole and static apart (a KV buffer's span),
-        else a contiguous copy: (buffer, its batch stride, its offset)."""
+        """t [B, R, C] as the kernels read it, R the span they are handed: (buffer, the C++ expression
+        of its batch stride, its offset). A KV buffer's span is a view whose rows are whole and static
+        apart; anything else is copied contiguous, its batches then R * C apart (N * C in the call)."""
         t = ir.ExternKernel.realize_input(t)
         stride, offset = t.get_stride(), t.get_layout().offset
         C = t.get_size()[-1]
         static = all(getattr(e, "is_Integer", isinstance(e, int)) for e in (*stride, offset, C))
-        if not (static and stride[-1] == 1 and stride[-2] == C):
-            t = contiguous(t)            # batches a symbolic span apart: passed as a whole-rows stride
-            stride, offset = t.get_stride(), 0
-            if not getattr(stride[0], "is_Integer", isinstance(stride[0], int)):
-                raise NotImplementedError(f"{t.get_name()}: batches not a static number of elements apart")
-        return t, int(stride[0]), int(offset)
+        if static and stride[-1] == 1 and stride[-2] == C:
+            return t, str(int(stride[0])), int(offset)
+        return contiguous(t), f"N * {int(C)}", 0
 
     class Tiled(ir.ExternKernelOut):
         """One of the header's kernels, defined in and called from the graph's code. `call`
@@ -123,6 +121,9 @@ def register() -> None:
     def _lower_linear(x, w, version):
         x = contiguous(x)
         *lead, M, K = x.get_size()
+        if len(lead) > 1 or len(w.get_size()) != len(lead) + 2:
+            raise NotImplementedError(f"tiled_linear takes x [M, K] and w [N, K], or x [B, M, K] and w [B, N, K]; "
+                                      f"got x {list(x.get_size())}, w {list(w.get_size())}")
         if len(w.get_size()) == 2:
             w, wb, offset = contiguous(w), 0, 0
         else:
@@ -135,6 +136,9 @@ def register() -> None:
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
     def _lower_mix(p, v, version):
         p = contiguous(p)
+        if len(p.get_size()) != 3 or len(v.get_size()) != 3:
+            raise NotImplementedError(f"tiled_mix takes p [B, M, L] and v [B, L, D]; "
+                                      f"got p {list(p.get_size())}, v {list(v.get_size())}")
         B, M, L = p.get_size()
         v, vb, offset = rows(v)
         D = int(v.get_size()[-1])

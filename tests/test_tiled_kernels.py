@@ -1,0 +1,39 @@
+"""The tiled kernels compiled by Inductor (`specfx.kernels.tiled_linear`): batched operands
+that are not a view of a static buffer, and shapes they do not take."""
+
+import pytest
+import torch
+from torch import fx
+
+from specfx.kernels import tiled_linear
+from specfx.runtime.compile import compile_graph
+
+pytestmark = pytest.mark.skipif(not tiled_linear.available()[0], reason=tiled_linear.available()[1])
+
+
+def test_batched_operands_that_are_not_whole_rows_of_a_static_buffer():
+    """Keys that are not whole rows of a static buffer (here a cache laid out [B, D, S], read
+    transposed over a span) are copied, their batches then a span apart; two batches check it."""
+    V = tiled_linear.VERSION
+
+    def f(x, kv, span):
+        keys = kv[:, :, : span.shape[0]].transpose(1, 2)        # [B, L, D], L symbolic, columns apart
+        scores = torch.ops.specfx.tiled_linear(x, keys, V)      # [B, M, L]
+        return scores, torch.ops.specfx.tiled_mix(scores, keys, V)
+
+    fn = compile_graph(fx.symbolic_trace(f), "inductor", dynamic={"span": (0,)})
+    x, kv = torch.randn(2, 3, 32), torch.randn(2, 32, 40)
+    for L in (20, 36):
+        scores, mixed = fn(x, kv, torch.empty(L))
+        keys = kv[:, :, :L].transpose(1, 2)
+        torch.testing.assert_close(scores, x @ keys.transpose(1, 2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mixed, (x @ keys.transpose(1, 2)) @ keys, rtol=1e-4, atol=1e-3)
+
+
+def test_shapes_the_kernels_do_not_take_are_refused():
+    V = tiled_linear.VERSION
+    fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")
+    x, w = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 5, 16)
+    torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, V), x @ w.transpose(-1, -2))   # eager: any batch
+    with pytest.raises(Exception, match="tiled_linear takes x"):
+        fn(x, w)
