@@ -41,11 +41,11 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
     ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
-    calls, plan, runtimes = {}, {}, {}
+    calls, plan = {}, {}
     for spec in args.drafts.split(","):
         fast = specfx.compile(model, draft=spec, max_seq_len=1024)
         fast.generate(ids, max_new_tokens=2)
-        rt = runtimes[spec] = fast.runtime
+        rt = fast.runtime
         rt.cover(steps=args.rounds + 2)
         exit_hidden, order = None, parts_in_order(rt)
         for name, _ in order:
@@ -56,8 +56,7 @@ def main() -> None:
         calls[f"{spec} sequence"] = lambda seq=seq: [fn() for fn, n in seq for _ in range(n)]
         calls[f"{spec} step"] = rt._step
         plan[spec] = order
-    with torch.no_grad():
-        times = round_robin(calls, args.rounds)
+    times = round_robin(calls, args.rounds)               # under no_grad
     ms = {name: s * 1e3 for name, s in times.items()}
     rows = []
     print(f"{'drafter':<14}{'step ms':>9}{'sequence':>10}{'alone':>8}   parts alone (ms x calls)")

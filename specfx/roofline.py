@@ -129,7 +129,8 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
     widths = [("decode", "none", 1), ("verify", "ngram:3", k + 1)]
     widths += [("verify", "ngram:3", r) for r in sorted(set(verify_rows) - {k + 1})]
     calls = probes(weights)
-    steps = []
+    probe_names = list(calls)
+    steps = []                                                        # (key in calls, name, rows)
     for i, (name, draft, rows) in enumerate(widths):
         fast = specfx.compile(model, draft=draft, num_speculative_tokens=max(1, rows - 1), max_seq_len=max_seq_len)
         if i < 2:
@@ -138,16 +139,14 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
             fast.graphs.state.load_prompts([prompt[0]], 2, [])
         rt = fast.runtime
         rt.cover(steps=1)
-        key = f"{name} {rows}"
-        calls[key] = rt.part_call(rt.verify_part)
-        row_bytes = rows * emb.shape[1] * emb.element_size()
-        steps.append((key, StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), 0.0)))
+        steps.append((f"{name} {rows}", name, rows))
+        calls[steps[-1][0]] = rt.part_call(rt.verify_part)
     times = round_robin(calls, REPEATS)
     result = Roofline(str(device), torch.get_num_threads(), context,
-                      {name: wbytes / times[name] / 1e9 for name in calls if name not in dict(steps)})
-    for key, step in steps:
-        step.ms = times[key] * 1e3
-        result.steps.append(step)
+                      {name: wbytes / times[name] / 1e9 for name in probe_names})
+    for key, name, rows in steps:
+        row_bytes = rows * emb.shape[1] * emb.element_size()
+        result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), times[key] * 1e3))
     return result
 
 
