@@ -28,7 +28,17 @@ typedef float vf __attribute__((vector_size(VB), aligned(4)));
 typedef int vi __attribute__((vector_size(VB)));
 constexpr int V = VB / 4;
 
-static inline vf loadu(const float* p) { vf v; __builtin_memcpy(&v, p, VB); return v; }
+static inline vf loadu(const float* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_loadu_ps(p);
+#elif defined(__AVX__)
+  return (vf)_mm256_loadu_ps(p);     // (a memcpy here goes through the stack under AVX2 tuning)
+#else
+  vf v;
+  __builtin_memcpy(&v, p, VB);
+  return v;
+#endif
+}
 
 static inline vf fmadd(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
@@ -71,6 +81,13 @@ template <int H> static inline vf fold(vf u, vf v) {
 #endif
 }
 
+// Pins a vector value to a register (an empty asm that reads and writes it there).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPECFX_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define SPECFX_IN_REGISTER(v) ((void)0)
+#endif
+
 // V accumulators -> one vector whose lane p holds the sum of accumulator bitrev(p).
 template <int H, int I, int S> static inline vf reduce(const vf* a) {
   if constexpr (H == 0) return a[I];
@@ -100,6 +117,12 @@ static inline __attribute__((always_inline)) void step(vf* acc, const float* x, 
   for (int i = 0; i < RM; i++) xv[i] = loadu(x + i * sx);
 #pragma GCC unroll 16
   for (int j = 0; j < RN; j++) wv[j] = loadu(w + j * sw);
+  // Held in registers: left to itself, GCC folds each weight load into every FMA that uses it,
+  // loading a weight vector RM times (20 loads for 16 FMAs at RM = 4: load-bound).
+#pragma GCC unroll 16
+  for (int j = 0; j < RN; j++) SPECFX_IN_REGISTER(wv[j]);
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++) SPECFX_IN_REGISTER(xv[i]);
   Fma<0, RN>::run(acc, xv, wv);
 }
 
