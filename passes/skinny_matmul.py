@@ -1,19 +1,21 @@
 """skinny_matmul: linears over few rows run on the kernel that is fastest for their shape.
 
-`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows (M <= MAX_ROWS) is rewritten,
-where `choose(M, N, K) -> Choice` says so, into one of:
+`aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows is rewritten, where
+`choose(M, N, K) -> Choice` says so, into one of:
 
 - "tiled": `specfx.tiled_linear(x [M, K], W)` (`specfx.kernels.tiled_linear`), a register-tiled
   C++ kernel that Inductor compiles into the graph: each weight row is read once for all M rows
-  and a tile's sums are reduced across lanes together;
-- "reduce": `stack([sum(W * x[m], -1) for m in range(M)])`, M reductions over the same weight,
-  which Inductor fuses into one loop that loads each weight vector once and multiplies it into
-  M accumulators (one horizontal sum per output);
+  and a tile's sums are reduced across lanes together; M may be symbolic (a prefill graph
+  serves every width up to its chunk, and is chosen for at the chunk);
+- "reduce" (M <= MAX_ROWS): `stack([sum(W * x[m], -1) for m in range(M)])`, M reductions over
+  the same weight, which Inductor fuses into one loop that loads each weight vector once and
+  multiplies it into M accumulators (one horizontal sum per output);
 - "blas": the linear is kept, for the BLAS library.
 
 At M = 1..k+1 a BLAS call streams the weights several times slower than the machine can
-(DESIGN.md, "Kernels"). x is materialized first, so the pointwise ops that produce it (a norm)
-run once, not once per weight row. The choice is an input, decided by measurement
+(DESIGN.md, "Kernels"); at a prefill's width, MKL repacks every weight at each call on this
+kind of machine. x is materialized first, so the pointwise ops that produce it (a norm) run
+once, not once per weight row. The choice is an input, decided by measurement
 (`specfx.matmul_choice`), never by rule.
 """
 
@@ -69,15 +71,7 @@ class SkinnyMatmul(Pass):
             shape = _linear_shape(node)
             if shape is None:
                 continue
-            if not isinstance(shape[0], int):
-                choice = Choice("blas", "rows not static (a prefill of any width): BLAS")
-            elif shape[0] > MAX_ROWS:
-                choice = Choice("blas", f"M={shape[0]}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
-            else:
-                choice = self.choose(*shape)
-                if choice.kernel == "tiled" and not _tiled_fits(node):
-                    choice = Choice("reduce", f"M={shape[0]}: not the tiled kernel's case (float32 "
-                                              f"contiguous weights, a compiler for it): reduce")
+            choice = self._choose(node, *shape)
             (rewrote if choice.rewrite else kept)[choice.reason] += 1
             if choice.kernel == "tiled":
                 _rewrite_tiled(gm, node, *shape)
@@ -93,6 +87,36 @@ class SkinnyMatmul(Pass):
         return PassResult(finish(gm), True, summary, info)
 
 
+    def _choose(self, node: fx.Node, M, N: int, K: int) -> Choice:
+        """The kernel for this linear. Rows that are not static (a prefill of any width) are
+        chosen for at the width the graph was captured with, its widest; only the tiled
+        kernel or BLAS takes them, or more than MAX_ROWS static rows."""
+        rows = M if isinstance(M, int) else _hint(M)
+        if rows is None:
+            return Choice("blas", f"M={M}: rows not static, and no width to measure at: BLAS")
+        choice = self.choose(rows, N, K)
+        if choice.kernel == "tiled" and not _tiled_fits(node, M):
+            fallback = "reduce" if isinstance(M, int) and M <= MAX_ROWS else "blas"
+            return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 contiguous weights, "
+                                    f"rows of at most one size not static, a compiler for it): {_SHOWN[fallback]}")
+        if choice.kernel == "reduce" and not (isinstance(M, int) and M <= MAX_ROWS):
+            return Choice("blas", f"M={M}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
+        if not isinstance(M, int):
+            return Choice(choice.kernel, f"any width up to {rows} (a prefill), measured at {choice.reason}")
+        return choice
+
+
+_SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}
+
+
+def _hint(M) -> int | None:
+    """The example value of a symbolic row count: the width its graph was captured with."""
+    try:
+        return int(M.node.hint)
+    except (AttributeError, TypeError):
+        return None
+
+
 def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
     """(M, N, K) of `aten.linear(x, W[N, K])`, M a SymInt where x's rows are symbolic; None for
     any other node (or a weight not 2-D)."""
@@ -105,24 +129,32 @@ def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
     return math.prod(x.shape[:-1]), N, K
 
 
-def _tiled_fits(node: fx.Node) -> bool:
-    """The tiled kernel's case: float32 on the CPU, a contiguous weight, and an Inductor here
-    that compiles the kernel (a cached or user-supplied choice may name it where it does not)."""
+def _tiled_fits(node: fx.Node, M) -> bool:
+    """The tiled kernel's case: float32 on the CPU, a contiguous weight, rows whose leading
+    dimensions hold at most one symbolic size, and an Inductor here that compiles the kernel (a
+    cached or user-supplied choice may name it where it does not)."""
     from specfx.kernels.tiled_linear import available
 
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     return (x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu"
-            and w.is_contiguous() and available()[0])
+            and w.is_contiguous() and len(_lead(node)) == x.dim() - 1 and available()[0])
 
 
-def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M: int, N: int, K: int) -> None:
+def _lead(node: fx.Node) -> list:
+    """x's leading sizes, its one symbolic size (if any) as -1 (what a reshape takes); shorter
+    than x's leading dimensions where more than one is symbolic."""
+    lead = [d if isinstance(d, int) else -1 for d in node.args[0].meta["val"].shape[:-1]]
+    return lead if lead.count(-1) <= 1 else []
+
+
+def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M, N: int, K: int) -> None:
     from specfx.kernels import tiled_linear
 
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
-    lead = list(x.meta["val"].shape[:-1])
+    lead = _lead(node)
     with gm.graph.inserting_before(node):
-        rows = insert_call(gm, aten.reshape.default, (x, [M, K]))
+        rows = insert_call(gm, aten.reshape.default, (x, [-1, K]))                          # [M, K]
         out = insert_call(gm, torch.ops.specfx.tiled_linear.default, (rows, w, tiled_linear.VERSION))   # [M, N]
         if bias is not None:
             out = insert_call(gm, aten.add.Tensor, (out, bias))
@@ -177,7 +209,11 @@ def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
     """x @ w.T as products and sums: one reduction per row of a [M, K] x (as `_rewrite`
-    writes it), or over a batch of [B, M, K] x and [B, N, K] w."""
+    writes it), or over a batch of [B, M, K] x and [B, N, K] w; a linear for more rows (or
+    rows not static: a prefill)."""
+    M = x.meta["val"].shape[0]
+    if w.meta["val"].dim() == 2 and not (isinstance(M, int) and M <= MAX_ROWS):
+        return insert_call(gm, aten.linear.default, (x, w))
     if w.meta["val"].dim() == 2:
         rows = [insert_call(gm, aten.sum.dim_IntList,
                             (insert_call(gm, aten.mul.Tensor, (w, insert_call(gm, aten.select.int, (x, 0, m)))), [-1]))

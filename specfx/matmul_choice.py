@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from specfx.kernels import tiled_linear
-from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, Choice
+from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, Choice
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
@@ -117,11 +117,12 @@ def _kernel_flags() -> str:
                     + [f"tiled={tiled_linear.VERSION}", f"chain={CHAIN_VERSION}"])
 
 
-def forms(weights: list[torch.Tensor]) -> list[str]:
-    """The kernels worth timing for these weights (the tiled one: float32 on the CPU, where it compiles)."""
+def forms(weights: list[torch.Tensor], M: int) -> list[str]:
+    """The kernels worth timing for these weights at M rows (the tiled one: float32 on the CPU,
+    where it compiles; the reduction: up to the rows the pass unrolls)."""
     w0 = weights[0]
     tiled = w0.dtype == torch.float32 and w0.device.type == "cpu" and tiled_linear.available()[0]
-    return [k for k in KERNELS if k != "tiled" or tiled]
+    return [k for k in KERNELS if (k != "tiled" or tiled) and (k != "reduce" or M <= MAX_ROWS)]
 
 
 def measure(weights: list[torch.Tensor], M: int) -> dict:
@@ -137,7 +138,7 @@ def chains(weights: list[torch.Tensor], M: int) -> dict:
     xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
     args = [*weights, *(xs[K] for K in ks)]
     out = {}
-    for name in forms(weights):
+    for name in forms(weights, M):
         fn = compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
         out[name] = lambda fn=fn: fn(*args)
     return out

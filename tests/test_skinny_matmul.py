@@ -77,7 +77,8 @@ def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():
     cg = capture(model, width=2, max_seq_len=32)
     res = SkinnyMatmul(TILED)(cg.gm)
     assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
-    assert "not the tiled kernel's case (float32 contiguous weights, a compiler for it): reduce" in res.reason
+    assert "not the tiled kernel's case (float32 contiguous weights, rows of at most one size not static, " \
+           "a compiler for it): reduce" in res.reason
 
 
 def test_tiled_choice_falls_back_where_the_kernel_does_not_compile(monkeypatch):
@@ -129,7 +130,8 @@ def test_measure_times_every_kernel_on_the_models_weights():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     t = matmul_choice.measure(weights, 2)
     assert t["linears"] == 2 and t["tiled_ms"] > 0 and t["reduce_ms"] > 0 and t["blas_ms"] > 0
-    assert matmul_choice.forms([w.bfloat16() for w in weights]) == ["reduce", "blas"]
+    assert matmul_choice.forms([w.bfloat16() for w in weights], 2) == ["reduce", "blas"]
+    assert matmul_choice.forms(weights, MAX_ROWS + 1) == ["tiled", "blas"]      # past what the rewrite unrolls
 
 
 def test_round_robin_calls_each_in_turn_and_drops_the_warm_up_round(monkeypatch):

@@ -1,5 +1,5 @@
-"""The tiled kernels compiled by Inductor (`specfx.kernels.tiled_linear`): batched operands
-that are not a view of a static buffer, and shapes they do not take."""
+"""The tiled kernels compiled by Inductor (`specfx.kernels.tiled_linear`): rows that vary per
+call, batched operands that are not a view of a static buffer, and shapes they do not take."""
 
 import pytest
 import torch
@@ -9,6 +9,18 @@ from specfx.kernels import tiled_linear
 from specfx.runtime.compile import compile_graph
 
 pytestmark = pytest.mark.skipif(not tiled_linear.available()[0], reason=tiled_linear.available()[1])
+
+
+def test_rows_that_vary_per_call_through_one_compiled_graph():
+    """A prefill's width is symbolic: one graph serves every row count, each tile shape (4, 2
+    and 1 rows) and a partial block of weight rows (N = 40 is two blocks of 16 and 8 more)."""
+    V = tiled_linear.VERSION
+    fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor",
+                       dynamic={"x": (0,)})
+    w = torch.randn(40, 24)
+    for M in (64, 7, 2, 1, 33):
+        x = torch.randn(M, 24)
+        torch.testing.assert_close(fn(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def test_batched_operands_that_are_not_whole_rows_of_a_static_buffer():

@@ -54,7 +54,7 @@ def test_attention_kernels_read_a_span_of_a_cache_in_place():
         fn = compile_graph(fx.symbolic_trace(attend), "inductor", dynamic={"span": (0,)})
         _, codes = run_and_get_code(lambda: fn(q, p, k, v, torch.empty(5)))      # compiled here, once
         code = max(codes, key=len)
-        assert "specfx_tiled::mix<" in code and "specfx_tiled::linear<" in code
+        assert "specfx_tiled::mix<" in code and "specfx_tiled::linear(" in code
         for L in (17, 64, 90):
             scores, mixed = fn(q, p, k, v, torch.empty(L))
             torch.testing.assert_close(scores, q @ k[:, :L].transpose(1, 2), rtol=1e-4, atol=1e-4)
@@ -72,7 +72,7 @@ def test_compiled_kernel_matches_float64_on_every_shape_class():
     outs, codes = run_and_get_code(lambda: fn(*args))
     code = max(codes, key=len)
     # The kernel is compiled into the graph and called from its C++ wrapper: no dispatcher call.
-    assert code.count("specfx_tiled::linear<") == len(SHAPES) and "aoti_torch_call_dispatcher" not in code
+    assert code.count("specfx_tiled::linear(M,") == len(SHAPES) and "aoti_torch_call_dispatcher" not in code
     for (M, N, K), x, w, y in zip(SHAPES, args[::2], args[1::2], outs):
         ref = x.double() @ w.double().T
         err = ((y.double() - ref).abs() / (ref.abs() + 1)).max().item()

@@ -8,8 +8,8 @@
 // for all M rows. The V accumulators of a tile are summed across lanes together (a transposed
 // reduction: log2(V) rounds of shuffles and adds give one vector of V outputs), not one
 // horizontal sum per output. The next block's rows are prefetched while a block computes.
-// Static sizes: M is a template argument, K and the batch known when the caller is generated;
-// N (a span of cached keys) may vary per call.
+// Sizes: K and the batch are known when the caller is generated, and `mix`'s M; `linear`'s M
+// (a prefill's width) and N (a span of cached keys) may vary per call.
 #ifndef SPECFX_TILED_LINEAR_H
 #define SPECFX_TILED_LINEAR_H
 #include <cstddef>
@@ -159,11 +159,11 @@ static inline void tile(const float* __restrict x, const float* __restrict w, fl
 }
 
 // V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1.
-template <int M>
-static inline void block(const float* x, const float* w, float* y, int K, int N, int n, bool prefetch) {
+// (M is a constant where the caller's is, once inlined.)
+static inline void block(long M, const float* x, const float* w, float* y, int K, int N, int n, bool prefetch) {
   const float* wn = w + (std::size_t)n * K;
   const float* pf = prefetch ? wn + (std::size_t)V * K : nullptr;   // the next block, on the first pass
-  int m = 0;
+  long m = 0;
   for (; m + 4 <= M; m += 4, pf = nullptr)
     for (int j = 0; j < V; j += V / 4)
       tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
@@ -177,18 +177,18 @@ static inline void block(const float* x, const float* w, float* y, int K, int N,
 
 // Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
 // batches wb apart (a slice of a KV cache: wb is the cache's length times K). Threads split the
-// (batch, block) pairs.
-template <int M>
-static void linear(const float* x, const float* w, float* y, int batches, long N, int K, long wb, int threads) {
+// (batch, block) pairs. M is a constant in a step's graph, a prefill's width in a prefill's.
+static void linear(long M, const float* x, const float* w, float* y, int batches, long N, int K, long wb,
+                   int threads) {
   const long blocks = N / V, tasks = batches * blocks;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
   for (long t = 0; t < tasks; t++) {
     const long b = t / blocks, n = (t % blocks) * V;
-    block<M>(x + b * M * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
+    block(M, x + b * M * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
   }
   for (int b = 0; b < batches; b++)                 // rows past the last whole block
     for (long n = blocks * V; n < N; n++)
-      for (int m = 0; m < M; m++) {
+      for (long m = 0; m < M; m++) {
         const float *xr = x + ((long)b * M + m) * K, *wr = w + b * wb + n * K;
         float s = 0;
         for (int k = 0; k < K; k++) s += xr[k] * wr[k];

@@ -10,8 +10,9 @@
 - Run eagerly (the eager backend, torch.export) they are `F.linear` / `torch.matmul`. Compiled,
   the kernel is defined in the graph's own C++ source and called from its wrapper like
   Inductor's generated kernels: no dispatcher call, no Python, and the graph keeps its buffers
-  on the stack (`runtime.compile`). K, D, M and the batch are fixed in the code; the span (N,
-  L) is passed at each call, so one compiled graph serves every span.
+  on the stack (`runtime.compile`). K, D and the batch are fixed in the code; the rows M and
+  the span (N, L) are passed at each call, so one compiled graph serves every span, and a
+  prefill's graph every width.
 - `register()` gives Inductor the lowerings (`runtime.compile` calls it before compiling);
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
 VERSION = int(hashlib.sha256((SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
-_ARG_TYPES = ["const float*", "const float*", "float*", "const int64_t"]
+_ARG_TYPES = ["const float*", "const float*", "float*", "const int64_t", "const int64_t"]
 
 
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
@@ -89,22 +90,25 @@ def register() -> None:
 
     class Tiled(ir.ExternKernelOut):
         """One of the header's kernels, defined in and called from the graph's code. `call`
-        is the C++ statement in the kernel's body (X, W, Y: the buffers, N: the span)."""
+        is the C++ statement in the kernel's body (X, W, Y: the buffers; M: the rows, N: the
+        span, each a size that may be symbolic, passed at each call)."""
 
-        def __init__(self, layout, inputs, call: str, span):
+        def __init__(self, layout, inputs, call: str, rows, span):
             super().__init__(layout, inputs)
-            self.call, self.span = call, span
+            self.call, self.rows, self.span = call, rows, span
 
         def codegen(self, wrapper) -> None:
             name = _define(wrapper, self.call.replace("THREADS", str(parallel_num_threads())))
-            args = [t.get_name() for t in self.inputs] + [self.get_name(), wrapper.codegen_sizevar(self.span)]
+            args = [t.get_name() for t in self.inputs] + [self.get_name(), wrapper.codegen_sizevar(self.rows),
+                                                          wrapper.codegen_sizevar(self.span)]
             wrapper.generate_kernel_call(name, args, triton=False, arg_types=_ARG_TYPES)
 
     def _define(wrapper, call: str) -> str:
         """The kernel for this call, defined once per graph (as Inductor defines its own)."""
         marker = "SPECFX_TILED_KERNEL"
         src = (f"#include <torch/csrc/inductor/cpp_prefix.h>\n{SOURCE}\n"
-               f'extern "C" void {marker}(const float* X, const float* W, float* Y, const int64_t N)\n'
+               f'extern "C" void {marker}(const float* X, const float* W, float* Y, const int64_t M, '
+               f'const int64_t N)\n'
                f"{{ {call}; }}\n")
         if src in wrapper.src_to_kernel:
             return wrapper.src_to_kernel[src]
@@ -130,8 +134,8 @@ def register() -> None:
             w, wb, offset = rows(w)
         N, batches = w.get_size()[-2], (int(lead[0]) if lead else 1)
         layout = ir.FixedLayout(x.get_device(), torch.float32, [*lead, M, N])
-        call = f"specfx_tiled::linear<{int(M)}>(X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
-        return ir.TensorBox.create(Tiled(layout, [x, w], call, N))
+        call = f"specfx_tiled::linear(M, X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
+        return ir.TensorBox.create(Tiled(layout, [x, w], call, M, N))
 
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
     def _lower_mix(p, v, version):
@@ -144,7 +148,7 @@ def register() -> None:
         D = int(v.get_size()[-1])
         layout = ir.FixedLayout(p.get_device(), torch.float32, [B, M, D])
         call = f"specfx_tiled::mix<{int(M)}, {D}>(X, W + {offset}, Y, {int(B)}, N, {vb}, THREADS)"
-        return ir.TensorBox.create(Tiled(layout, [p, v], call, L))
+        return ir.TensorBox.create(Tiled(layout, [p, v], call, M, L))
 
 
 @cache
