@@ -4,7 +4,9 @@
 virtual machine) two rows can differ by the phase they ran in. This compiles every drafter
 spec given, then runs rounds over the same prompts (128 new tokens each), alternating the
 order of the methods from round to round, and prints each method's tokens per second per
-round, its ratio to the first method in the same round, and the medians.
+round, its ratio to the first method in the same round, and the medians; then where a call's
+time goes: time to first token, and the steps (milliseconds per step in the generate loop,
+tokens per step), each against the first method's.
 
     python benchmarks/interleaved.py [--drafts mtp,mtp:pycoder-mtp:tree=4x2x2x1] [--rounds 5]
                                      [--num-prompts 8] [--json benchmarks/cpu/interleaved.json]
@@ -41,24 +43,39 @@ def main() -> None:
             f.generate(ids, max_new_tokens=args.max_new_tokens)
     rates = {s: [] for s in specs}
     accepted = {s: [] for s in specs}
+    ttft = {s: [] for s in specs}
+    loop = {s: [0.0, 0, 0] for s in specs}                       # seconds after the first token, steps, tokens
     for r in range(args.rounds):
         for s in specs if r % 2 == 0 else specs[::-1]:
             t, n = time.perf_counter(), 0
             for ids in prompts:
                 out = fast[s].generate(ids, max_new_tokens=args.max_new_tokens)
                 n += out.shape[1] - ids.shape[1]
-                accepted[s].append(fast[s].last_stats.mean_accepted)
+                st = fast[s].last_stats
+                accepted[s].append(st.mean_accepted)
+                ttft[s].append(st.ttft_s)
+                loop[s][0] += st.total_s - st.ttft_s
+                loop[s][1] += st.steps
+                loop[s][2] += st.new_tokens - 1
             rates[s].append(n / (time.perf_counter() - t))
         print(f"round {r}: " + "  ".join(f"{s} {rates[s][-1]:.1f} tok/s" for s in specs), flush=True)
     rows = []
+    step_ms = {s: loop[s][0] / max(loop[s][1], 1) * 1e3 for s in specs}
     for s in specs:
         ratios = [a / b for a, b in zip(rates[s], rates[specs[0]])]
         rows.append(dict(draft=s, tokens_per_s=rates[s], median_tokens_per_s=statistics.median(rates[s]),
                          vs_first=ratios, median_vs_first=statistics.median(ratios),
-                         accepted_per_call=statistics.mean(accepted[s])))
+                         accepted_per_call=statistics.mean(accepted[s]), median_ttft_ms=statistics.median(ttft[s]) * 1e3,
+                         loop_ms_per_step=step_ms[s], tokens_per_step=loop[s][2] / max(loop[s][1], 1)))
         print(f"{s}: median {rows[-1]['median_tokens_per_s']:.1f} tok/s, accepted/call "
               f"{rows[-1]['accepted_per_call']:.2f}, vs {specs[0]} by round "
               f"{' '.join(f'{x:.2f}' for x in ratios)}, median {rows[-1]['median_vs_first']:.2f}x")
+    print("where the time goes: TTFT ms, then ms per step in the generate loop and tokens per step")
+    for row in rows:
+        s = row["draft"]
+        print(f"{s}: TTFT {row['median_ttft_ms']:.1f} ms; step {step_ms[s]:.3f} ms "
+              f"({step_ms[s] / step_ms[specs[0]]:.2f}x {specs[0]}'s), {row['tokens_per_step']:.2f} tokens/step, "
+              f"steps alone {row['tokens_per_step'] / rows[0]['tokens_per_step'] * step_ms[specs[0]] / step_ms[s]:.2f}x")
     if args.json:
         settings = dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, rounds=args.rounds,
                         max_seq_len=max_seq_len)
