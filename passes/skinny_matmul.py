@@ -41,6 +41,7 @@ MATERIALIZE = inductor_prims.force_stride_order
 
 
 KERNELS = ("tiled", "reduce", "blas")
+SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}      # each kernel as a reason names it
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,6 @@ class SkinnyMatmul(Pass):
             return PassResult(gm, False, summary, info)
         return PassResult(finish(gm), True, summary, info)
 
-
     def _choose(self, node: fx.Node, M, N: int, K: int) -> Choice:
         """The kernel for this linear. Rows that are not static (a prefill of any width) are
         chosen for at the width the graph was captured with, its widest; only the tiled
@@ -95,18 +95,15 @@ class SkinnyMatmul(Pass):
         if rows is None:
             return Choice("blas", f"M={M}: rows not static, and no width to measure at: BLAS")
         choice = self.choose(rows, N, K)
-        if choice.kernel == "tiled" and not _tiled_fits(node, M):
+        if choice.kernel == "tiled" and not _tiled_fits(node):
             fallback = "reduce" if isinstance(M, int) and M <= MAX_ROWS else "blas"
             return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 contiguous weights, "
-                                    f"rows of at most one size not static, a compiler for it): {_SHOWN[fallback]}")
+                                    f"rows of at most one size not static, a compiler for it): {SHOWN[fallback]}")
         if choice.kernel == "reduce" and not (isinstance(M, int) and M <= MAX_ROWS):
             return Choice("blas", f"M={M}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
         if not isinstance(M, int):
             return Choice(choice.kernel, f"any width up to {rows} (a prefill), measured at {choice.reason}")
         return choice
-
-
-_SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}
 
 
 def _hint(M) -> int | None:
@@ -129,7 +126,7 @@ def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
     return math.prod(x.shape[:-1]), N, K
 
 
-def _tiled_fits(node: fx.Node, M) -> bool:
+def _tiled_fits(node: fx.Node) -> bool:
     """The tiled kernel's case: float32 on the CPU, a contiguous weight, rows whose leading
     dimensions hold at most one symbolic size, and an Inductor here that compiles the kernel (a
     cached or user-supplied choice may name it where it does not)."""

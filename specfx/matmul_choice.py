@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from torch import fx
 
 from specfx.kernels import tiled_linear
-from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, Choice
+from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, Choice
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
-_SHOWN = {"tiled": "tiled", "reduce": "reduce", "blas": "BLAS"}
 _memory: dict[str, dict] = {}
 
 
@@ -81,8 +80,8 @@ class MatmulPlan:
         t = self.timing(weights, M)
         times = {k: t[f"{k}_ms"] for k in KERNELS if f"{k}_ms" in t}
         best = min(times, key=times.get)
-        took = ", ".join(f"{_SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
-        return Choice(best, f"M={M}: {t['linears']} linears took {took}: {_SHOWN[best]}")
+        took = ", ".join(f"{SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
+        return Choice(best, f"M={M}: {t['linears']} linears took {took}: {SHOWN[best]}")
 
     def timing(self, weights: list[torch.Tensor], M: int) -> dict:
         """Measured (or remembered) ms of all `weights` at M rows through each kernel."""
