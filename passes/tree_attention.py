@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from specfx.passes.graph_utils import copy_nodes, finish, output_node
 from specfx.passes.infra import Pass, PassOrderError, PassResult
+from specfx.passes.skinny_matmul import MATERIALIZE
 from specfx.runtime.tree import Tree
 
 INPUTS = ("positions", "slots", "visible")
@@ -72,5 +73,10 @@ class _TreeInputs(nn.Module):
 
     def forward(self, last: torch.Tensor):
         t = self.tree
-        return (t.positions(last).clamp(max=self.max_pos), t.slots(last).clamp(max=self.max_pos),
-                t.visibility(last, self.cache_slots))
+        visible = t.visibility(last, self.cache_slots)
+        if not t.is_chain:
+            # Computed once into a buffer: else Inductor inlines the ancestor table's gather
+            # into every layer's softmax, per head, cache slot and pass over the scores.
+            rows, S = t.size + 1, self.cache_slots
+            visible = MATERIALIZE(visible, [rows * S, rows * S, S, 1])
+        return t.positions(last).clamp(max=self.max_pos), t.slots(last).clamp(max=self.max_pos), visible
