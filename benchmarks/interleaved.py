@@ -8,7 +8,7 @@ round, its ratio to the first method in the same round, and the medians; then wh
 time goes: time to first token, and the steps (milliseconds per step in the generate loop,
 tokens per step), each against the first method's.
 
-    python benchmarks/interleaved.py [--drafts mtp,mtp:pycoder-mtp:tree=4x2x2x1] [--rounds 5]
+    python benchmarks/interleaved.py [--drafts mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 5]
                                      [--num-prompts 8] [--json benchmarks/cpu/interleaved.json]
 """
 
@@ -26,7 +26,7 @@ from specfx.bench import cache_length
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafts", default="mtp,mtp:pycoder-mtp:tree=2x1x1,mtp:pycoder-mtp:tree=4x2x2x1",
+    ap.add_argument("--drafts", default="mtp,mtp:pycoder-mtp:tree=2x2x2x1,mtp:pycoder-mtp:tree=4x2x2x1,none",
                     help="drafter specs, comma-separated; the first is the reference")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=8)

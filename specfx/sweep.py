@@ -72,7 +72,7 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     return result
 
 
-TREES = ((2, 1, 1), (3, 1, 1), (3, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
+TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
 
 
 def tree_spec(draft: str, tree: tuple[int, ...]) -> str:

@@ -57,7 +57,7 @@ def add_parser(sub):
     p.add_argument("--sweep-draft", default="mtp",
                    help="with --sweep-tree: the drafter (default: the model's MTP head)")
     p.add_argument("--trees", default=None,
-                   help="with --sweep-tree: the shapes, comma-separated (default 2x1x1,3x1x1,3x2x1,2x2x2x2,4x2x2x1)")
+                   help="with --sweep-tree: the shapes, comma-separated (default 2x1x1,3x2x1,2x2x2x1,2x2x2x2,4x2x2x1)")
     p.add_argument("--save-default", action="store_true",
                    help="with --sweep-exit: store the best (exit layer, k) in the model's config.json; with "
                         "--sweep-tree: the best tree as the model's default MTP tree")
