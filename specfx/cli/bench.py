@@ -6,6 +6,8 @@ import argparse
 import json
 
 from specfx.cli.common import DTYPES
+from specfx.drafters import tree_name
+from specfx.sweep import TREES
 
 EPILOG = """examples:
   specfx bench pycoder
@@ -57,7 +59,7 @@ def add_parser(sub):
     p.add_argument("--sweep-draft", default="mtp",
                    help="with --sweep-tree: the drafter (default: the model's MTP head)")
     p.add_argument("--trees", default=None,
-                   help="with --sweep-tree: the shapes, comma-separated (default 2x1x1,3x2x1,2x2x2x1,2x2x2x2,4x2x2x1)")
+                   help=f"with --sweep-tree: the shapes, comma-separated (default {','.join(map(tree_name, TREES))})")
     p.add_argument("--save-default", action="store_true",
                    help="with --sweep-exit: store the best (exit layer, k) in the model's config.json; with "
                         "--sweep-tree: the best tree as the model's default MTP tree")

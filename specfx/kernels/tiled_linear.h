@@ -171,28 +171,22 @@ static inline void block(long M, const float* x, const float* w, float* y, int K
   const float* next = wn + (std::size_t)V * K;
   const long passes = M / 4 + M % 4 / 2 + M % 2;
   long m = 0, pass = 0;
-  int pf_rows = 0;
-  // The rows tile `t` of `tiles` in this pass prefetches (their count in pf_rows).
-  auto pf = [&](int t, int tiles) -> const float* {
+  // Tile `t` of `tiles` in this pass prefetches the next block's rows [first(t), first(t + 1)).
+  auto first = [&](int t, int tiles) {
     const long lo = V * pass / passes, hi = V * (pass + 1) / passes;
-    const long a = lo + (hi - lo) * t / tiles, b = lo + (hi - lo) * (t + 1) / tiles;
-    pf_rows = prefetch ? (int)(b - a) : 0;
-    return pf_rows ? next + (std::size_t)a * K : nullptr;
+    return lo + (hi - lo) * t / tiles;
   };
+  auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : nullptr; };
+  auto pf_rows = [&](int t, int tiles) { return (int)(first(t + 1, tiles) - first(t, tiles)); };
   for (; m + 4 <= M; m += 4, pass++)
-    for (int j = 0; j < V; j += V / 4) {
-      const float* p = pf(j / (V / 4), 4);
-      tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N, p, pf_rows);
-    }
+    for (int t = 0, j = 0; j < V; t++, j += V / 4)
+      tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
+                     pf(t, 4), pf_rows(t, 4));
   for (; m + 2 <= M; m += 2, pass++)
-    for (int j = 0; j < V; j += V / 2) {
-      const float* p = pf(j / (V / 2), 2);
-      tile<2, V / 2>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N, p, pf_rows);
-    }
-  for (; m < M; m++, pass++) {
-    const float* p = pf(0, 1);
-    tile<1, V>(x + (std::size_t)m * K, wn, y + (std::size_t)m * N + n, K, N, p, pf_rows);
-  }
+    for (int t = 0, j = 0; j < V; t++, j += V / 2)
+      tile<2, V / 2>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
+                     pf(t, 2), pf_rows(t, 2));
+  for (; m < M; m++, pass++) tile<1, V>(x + (std::size_t)m * K, wn, y + (std::size_t)m * N + n, K, N, pf(0, 1), pf_rows(0, 1));
 }
 
 // Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
