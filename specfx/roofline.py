@@ -7,7 +7,9 @@ time the machine needs to stream those bytes. `roofline(model, ...)` measures
   every linear of the model at one row, one after another, through (a) specfx's tiled kernel,
   (b) the skinny-matmul reduction, (c) BLAS, each compiled as the runtime compiles its graphs;
   and a flat buffer of the same size read (d) by a sum that Inductor generates, (e) as one
-  matrix through the tiled kernel at one row (a plain stream of reads, many in flight);
+  matrix through the tiled kernel at one row, (f) on the CPU, by a plain sum written by hand
+  (`stream_sum` in `kernels/tiled_linear.h`: each thread streams its share into eight
+  accumulators). (f) is the ceiling: Inductor's sums and the tiled kernel stay below it;
 - the bytes one **decode** step (one row) and one **verify** step (k+1 rows, and any other
   `verify_rows`: what a draft tree of that many nodes, plus the pending token, costs to verify)
   read: every weight matrix, the embedding rows and the live KV cache of a `context`-token
@@ -101,6 +103,9 @@ def probes(weights: list[torch.Tensor]) -> dict:
         gm = fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION))
         read = compile_graph(gm, "inductor")
         out["flat matrix, tiled kernel"] = lambda: read(row, matrix)
+    if flat.device.type == "cpu" and flat.dtype == torch.float32:
+        stream = tiled_linear.stream_sum()
+        out["flat, streamed by hand"] = lambda: stream(flat)
     return out
 
 

@@ -49,3 +49,14 @@ def test_shapes_the_kernels_do_not_take_are_refused():
     torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, V), x @ w.transpose(-1, -2))   # eager: any batch
     with pytest.raises(Exception, match="tiled_linear takes x"):
         fn(x, w)
+
+
+def test_the_roofline_stream_sums_what_torch_sums():
+    """The roofline's hand-written stream (`stream_sum`): every element once, whole chunks of
+    eight vectors and a tail, and a clear error for what it does not read."""
+    stream = tiled_linear.stream_sum()
+    for n in (0, 5, 128, 1000, 4099 * 37):
+        x = torch.randn(n, dtype=torch.float64).float()
+        assert stream(x) == pytest.approx(x.double().sum().item(), abs=1e-3 * max(1, n) ** 0.5)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        stream(torch.randn(8, 8).T)

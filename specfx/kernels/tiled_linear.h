@@ -257,5 +257,26 @@ static void mix(const float* p, const float* v, float* y, int batches, long L, l
   }
 }
 
+// The sum of p[0, n), threads each reading a contiguous share front to back into eight
+// independent accumulators: no tiles, no software prefetch, nothing but loads and adds. Not
+// part of any step: the roofline's probe of how fast this machine streams memory into its
+// cores (`specfx.roofline`), the ceiling the kernels above are measured against.
+static float stream_sum(const float* p, long n, int threads) {
+  constexpr long C = 8 * V;
+  const long chunks = n / C;
+  float total = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+  for (int t = 0; t < threads; t++) {
+    vf acc[8] = {};
+    for (long c = chunks * t / threads; c < chunks * (t + 1) / threads; c++)
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) acc[j] += loadu(p + c * C + j * V);
+    for (int j = 1; j < 8; j++) acc[0] += acc[j];
+    for (int l = 0; l < V; l++) total += acc[0][l];
+  }
+  for (long i = chunks * C; i < n; i++) total += p[i];
+  return total;
+}
+
 }  // namespace specfx_tiled
 #endif

@@ -13,6 +13,8 @@
   on the stack (`runtime.compile`). K, D and the batch are fixed in the code; the rows M and
   the span (N, L) are passed at each call, so one compiled graph serves every span, and a
   prefill's graph every width.
+- `stream_sum()`: the header's plain streaming sum as a call on a float32 CPU tensor (the
+  roofline's probe of the machine's memory speed; no step uses it).
 - `register()` gives Inductor the lowerings (`runtime.compile` calls it before compiling);
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
@@ -23,6 +25,7 @@ that a changed kernel or lowering is a changed graph for Inductor's cache. float
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from functools import cache
 from pathlib import Path
@@ -176,3 +179,26 @@ def available() -> tuple[bool, str]:
     except Exception as e:                                      # noqa: BLE001 - any failure: not offered
         return False, f"the tiled kernels do not compile here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     return True, "compiled and checked"
+
+
+@cache
+def stream_sum():
+    """A call `f(t) -> float` that sums a contiguous float32 CPU tensor with the header's
+    `stream_sum`, on Inductor's thread count. Compiled (once per process) by Inductor's C++
+    code cache, with the flags of the kernels it compiles into a graph."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor.utils import parallel_num_threads
+
+    lib = CppCodeCache.load(f"{SOURCE}\n"
+                            'extern "C" float specfx_stream_sum(const float* p, long n, int threads)\n'
+                            "{ return specfx_tiled::stream_sum(p, n, threads); }\n")
+    fn = lib.specfx_stream_sum
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    threads = parallel_num_threads()
+
+    def call(t: torch.Tensor) -> float:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"stream_sum reads a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+        return fn(t.data_ptr(), t.numel(), threads)
+
+    return call
