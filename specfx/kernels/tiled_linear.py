@@ -184,8 +184,8 @@ def available() -> tuple[bool, str]:
 @cache
 def stream_sum():
     """A call `f(t) -> float` that sums a contiguous float32 CPU tensor with the header's
-    `stream_sum`, on Inductor's thread count. Compiled (once per process) by Inductor's C++
-    code cache, with the flags of the kernels it compiles into a graph."""
+    `stream_sum`, on Inductor's thread count at the call. Compiled (once per process) by
+    Inductor's C++ code cache, with the flags of the kernels it compiles into a graph."""
     from torch._inductor.codecache import CppCodeCache
     from torch._inductor.utils import parallel_num_threads
 
@@ -194,11 +194,10 @@ def stream_sum():
                             "{ return specfx_tiled::stream_sum(p, n, threads); }\n")
     fn = lib.specfx_stream_sum
     fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    threads = parallel_num_threads()
 
     def call(t: torch.Tensor) -> float:
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"stream_sum reads a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
-        return fn(t.data_ptr(), t.numel(), threads)
+        return fn(t.data_ptr(), t.numel(), parallel_num_threads())
 
     return call
