@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // front to back (a plain stream, which the hardware prefetches too); tiles of four read their
 // four weight rows side by side, as one pass of 16 products per step. (pycoder's 85 weight
 // matrices, two threads, in a C++ harness, against side by side for every tile: row by row,
-// 1 row ran 17-22% faster and 2 rows 8-14% faster, while tiles of four read row by row made
+// 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
 template <int RM, int RN>
 static inline void tile(const float* __restrict x, const float* __restrict w, float* __restrict y,
