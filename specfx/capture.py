@@ -14,7 +14,8 @@ Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, a
 past_key_values, use_cache`, calls `cache.update(k, v, layer_idx)` and runs its attention through
 transformers' `AttentionInterface` can be captured; that is every transformers decoder with a
 static-cache path (Llama, Qwen2/3, Mistral, Gemma, GPT-2, OPT, Phi, ...: tests/helpers.py
-FAMILIES). A model whose attention bypasses the interface (Falcon, BLOOM) is refused by name.
+FAMILIES). A model whose attention bypasses the interface (BLOOM; Falcon before transformers
+5.25) is refused by name, and so is one whose position bias (ALiBi) rides in the attention mask.
 Eval-mode dropouts are removed from the graphs (identities that FX would keep as random ops).
 """
 
@@ -50,13 +51,24 @@ def kv_shape(config, batch_size: int, max_seq_len: int) -> tuple[int, int, int, 
 
 
 class _ScatterCache(Cache):
-    """transformers `Cache` that writes k/v of every row at its own positions, in place."""
+    """transformers `Cache` that writes k/v of every row at its own positions, in place.
+
+    States whose shape is not the buffers' (a config that misstates the KV heads) are not
+    written: the first such layer is kept in `mismatch`, for the decoder to raise once the
+    forward shows whether the model's attention reads this cache at all."""
 
     def __init__(self, owner: StaticDecoder, positions: torch.Tensor):
         self.owner, self.positions, self.layers = owner, positions, []
+        self.mismatch: StructureError | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.owner.kv(layer_idx)                                 # [B, H, S, D]
+        if key_states.shape[1::2] != keys.shape[1::2] or value_states.shape[1::2] != values.shape[1::2]:
+            self.mismatch = self.mismatch or StructureError(
+                f"{architecture(self.owner.model)}: layer {layer_idx}'s attention gives keys of "
+                f"{key_states.shape[1]} heads x {key_states.shape[3]}, but its config says {keys.shape[1]} KV "
+                f"heads x {keys.shape[3]} (num_key_value_heads, head_dim): the config does not describe the model")
+            return key_states, value_states
         # keys[b, :, positions[b, w]] = key_states[b, :, w]: an index_put_, which Inductor
         # writes in place (a scatter_ would copy the whole buffer and copy it back). The indexed
         # view is [B, W, H, D] (indexed dims first), so the states go in as [B, W, H, D].
@@ -127,20 +139,25 @@ class StaticDecoder(nn.Module):
         a verify graph of a draft tree gets both explicitly: `slots` [B, W] to write and
         `visible` [B, 1, W, kv_slots(max_seq_len)] bool (see `specfx.runtime.tree.Tree`).
         """
+        if getattr(self.model.config, "alibi", False):
+            raise StructureError(
+                f"{architecture(self.model)}: ALiBi position bias (config.alibi) is not supported: the model "
+                "builds it from a padding mask of its own, which specfx's position mask replaces")
         mask = position_mask(positions, self.max_seq_len, self.kv(0)[0].dtype)
         with attention.bind(self.model.config, positions, span, reduce=self.reduce_attention,
                             tiled=self.tiled_attention, visible=visible) as bound:
+            cache = _ScatterCache(self, positions if slots is None else slots)
             try:
-                out = self.model(
-                    input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                    past_key_values=_ScatterCache(self, positions if slots is None else slots), use_cache=True,
-                )
+                out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                                 past_key_values=cache, use_cache=True)
             except Exception as e:
                 if not bound.calls:
                     raise _no_attention(self.model) from e
-                raise
+                raise cache.mismatch or e
         if not bound.calls:
             raise _no_attention(self.model)
+        if cache.mismatch:
+            raise cache.mismatch
         return out.logits
 
 

@@ -72,8 +72,25 @@ FAMILIES = {
     "gptj": ("parallel attention+MLP, partial interleaved rotary",
              dict(n_embd=64, n_head=4, n_positions=512, n_inner=128, rotary_dim=8, num_key_value_heads=None)),
 }
+
+
+def attention_through_interface(family: str) -> bool:
+    """Whether the installed transformers runs `family`'s attention through its AttentionInterface
+    (Falcon does from transformers 5.25 on; before, it computed attention itself)."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(module)
+
+
 # Families specfx refuses, and the words of the refusal.
-REFUSED = {"falcon": "attention not found", "bloom": "attention not found"}
+REFUSED = {"bloom": "attention not found"}
+FALCON = ("multi-query attention, fused QKV, parallel attention+MLP", dict(num_key_value_heads=None))
+if attention_through_interface("falcon"):
+    FAMILIES["falcon"] = FALCON
+else:
+    REFUSED["falcon"] = "attention not found"
 
 
 def tiny_checkpoint(path, family: str = "llama", *, layers: int = 4, seed: int = 2, eos: bool = False):
@@ -99,7 +116,7 @@ def family_model(family: str, *, layers: int = 4, vocab: int = 96, seed: int = 0
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(FAMILIES[family][1] if family in FAMILIES else {})
+    kw.update(FALCON[1] if family == "falcon" else FAMILIES[family][1] if family in FAMILIES else {})
     if "n_embd" in kw:                 # GPT-2 / GPT-J names
         kw["n_layer"] = layers
     kw.update(extra)

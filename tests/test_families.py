@@ -87,6 +87,25 @@ def test_unsupported_family_is_refused_naming_the_part(family):
         specfx.compile(model, draft="early-exit:1", max_seq_len=32, backend="eager")
 
 
+def test_alibi_position_bias_is_refused_naming_it():
+    # ALiBi Falcon builds its bias from a padding mask; run on specfx's position mask it would
+    # attend with the wrong bias (and before transformers 5.25 it bypassed attention besides).
+    model = family_model("falcon", layers=2, alibi=True, num_key_value_heads=None)
+    with pytest.raises(ValueError, match=r"FalconForCausalLM \(falcon\): ALiBi position bias \(config\.alibi\) "
+                                         "is not supported"):
+        specfx.compile(model, draft="early-exit:1", max_seq_len=32, backend="eager")
+
+
+def test_a_config_that_misstates_the_kv_heads_is_refused():
+    # The KV buffers are sized from the config; a model whose attention gives other shapes would
+    # otherwise fail deep inside the trace with an indexing error.
+    model = family_model("llama", layers=2)
+    model.config.num_key_value_heads = 1                 # its k_proj still gives 2 heads
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(llama\): layer 0's attention gives keys of 2 heads "
+                                         r"x 16, but its config says 1 KV heads x 16"):
+        specfx.compile(model, draft="early-exit:1", max_seq_len=32, backend="eager")
+
+
 def test_sliding_window_changes_the_output():
     # Without this, a window the model ignored would pass the tests above for the wrong reason.
     ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(0))
