@@ -21,3 +21,18 @@ def pycoder():
     from specfx import zoo
 
     return zoo.load("pycoder")
+
+
+@pytest.fixture(scope="session")
+def pycoder_references(pycoder):
+    """(prompt ids, plain greedy `model.generate` output, 32 new tokens) for every evaluation
+    prompt of the zoo model."""
+    from specfx import zoo
+
+    model, tok = pycoder
+    out = []
+    for text in zoo.prompts("completion"):
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out.append((ids, model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)))
+    return out

@@ -61,9 +61,10 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
 
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # save_default edits config.json
     model, tok, path = load_model(str(path))
-    result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
+    result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5), layers=[1, 3],
                         backend="eager", log=lambda m: None)
-    assert len(result.rows) == 3 * 2 and {r["k"] for r in result.rows} == {3, 5}   # neither is the model's 4
+    # Every asked (exit layer, k), the last exit layer included; neither k is the model's 4.
+    assert [(r["exit_layer"], r["k"]) for r in result.rows] == [(1, 3), (1, 5), (3, 3), (3, 5)]
     assert result.best in result.rows
     assert all(r["step_ms"] > 0 and 1 <= r["tokens_per_step"] <= r["k"] + 1 for r in result.rows)
     save_default(path, result.best)
@@ -77,11 +78,24 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     other = specfx.compile(model2, draft="ngram:2", max_seq_len=32, backend="eager").num_speculative_tokens
     assert other == (getattr(model.config, "specfx_num_speculative_tokens", None) or 4)
     torch._dynamo.reset()
-    some = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(1,), layers=[2],
-                      backend="eager", log=lambda m: None)
-    assert [(r["exit_layer"], r["k"]) for r in some.rows] == [(2, 1)]
     with pytest.raises(ValueError, match="exit layers must be in 1..3"):
         sweep_exit(model, tok, zoo.prompts()[:1], layers=[4], backend="eager", log=lambda m: None)
+
+
+def test_sweep_tries_every_exit_layer_below_the_last_by_default(checkpoint, monkeypatch):
+    """The rows of a sweep without `layers`; the builds and timings are stand-ins (the sweep
+    above measures for real)."""
+    from types import SimpleNamespace
+
+    from specfx import sweep
+    from specfx.cli.common import load_model
+
+    monkeypatch.setattr(sweep, "_profiled", lambda *a: SimpleNamespace(profile=lambda: (1e-3, 2e-3)))
+    monkeypatch.setattr(sweep, "_acceptance", lambda model, E, k, *a: [0.5] * k)
+    model, tok, _ = load_model(str(checkpoint))
+    result = sweep.sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
+                              backend="eager", log=lambda m: None)
+    assert [(r["exit_layer"], r["k"]) for r in result.rows] == [(E, k) for E in (1, 2, 3) for k in (3, 5)]
 
 
 @pytest.mark.parametrize("backend,skinny", [("inductor", True), ("eager", False)])

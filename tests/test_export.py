@@ -26,12 +26,12 @@ MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama", layers=4, seed=3, tie_word_embeddings=True)
+    return tiny_model("llama", layers=2, seed=3, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def fast(model):
-    return specfx.compile(model, draft="early-exit:2", num_speculative_tokens=2, max_seq_len=48, batch_size=2,
+    return specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=48, batch_size=2,
                           backend="eager")
 
 
@@ -121,8 +121,10 @@ def test_onnx_step_equals_pytorch_step(artifact, fast):
 
 @pytest.mark.slow
 def test_aoti_round_trip(tmp_path):
-    model = tiny_model("llama", layers=2, seed=4)
-    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=40, batch_size=2,
+    # Prompt lookup drafts inside the step without a draft pass (in the sampling step each draft
+    # pass warps its logits too), which keeps the programs AOTInductor compiles small.
+    model = tiny_model("llama", layers=1, seed=4)
+    fast = specfx.compile(model, draft="ngram:2", num_speculative_tokens=2, max_seq_len=40, batch_size=2,
                           backend="eager")
     fast.export(tmp_path / "a", formats=("aoti",))
     loaded = specfx.load(tmp_path / "a", format="aoti", trust_native_code=True)
@@ -136,9 +138,10 @@ def test_aoti_round_trip(tmp_path):
     assert_greedy_equal(model, loaded.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[]), ref,
                         PROMPTS.shape[1])
     # AOTI's sampling step draws what the in-process step draws from the same seed (its kernels
-    # round differently; a flip would need a draw within ~1e-6 of a decision boundary).
+    # round differently; a flip would need a draw within ~1e-6 of a decision boundary). Over 24
+    # tokens each seed's run accepts a draft as well as rejecting some.
     for seed in (1, 2):
-        kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
+        kw = dict(max_new_tokens=24, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
         assert torch.equal(loaded.generate(PROMPTS, MASK, **kw), fast.generate(PROMPTS, MASK, **kw))
 
 
@@ -209,12 +212,17 @@ def test_unknown_or_missing_format(artifact, fast, tmp_path):
         fast.export(tmp_path / "busy", formats=("pt2",))
 
 
-def test_export_replaces_a_previous_artifact(copy, fast):
+def test_export_replaces_a_previous_artifact(copy):
+    # Another model's artifact (one layer, prompt lookup: quick to export) over the copy's.
+    other = specfx.compile(tiny_model("llama", layers=1, seed=5), draft="ngram:2", num_speculative_tokens=2,
+                           max_seq_len=48, batch_size=2, backend="eager")
     assert (copy / "onnx" / "step.onnx").is_file()
-    manifest = fast.export(copy, formats=("pt2",))
+    manifest = other.export(copy, formats=("pt2",))
     assert manifest["formats"] == ["pt2"] and not (copy / "onnx" / "step.onnx").exists()
-    out = specfx.load(copy).generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[])
-    assert torch.equal(out, fast.generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[]))
+    loaded = specfx.load(copy)
+    assert loaded.drafter == "ngram:2"
+    out = loaded.generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out, other.generate(PROMPTS, MASK, max_new_tokens=8, eos_token_id=[]))
 
 
 # --- CLI ---
@@ -223,7 +231,7 @@ def test_export_replaces_a_previous_artifact(copy, fast):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    tiny_checkpoint(path, layers=4, seed=2, eos=True)
+    tiny_checkpoint(path, layers=1, seed=2, eos=True)
     return path
 
 
@@ -231,7 +239,7 @@ def test_cli_export_then_run(checkpoint, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     out = tmp_path / "art"
-    assert main(["export", str(checkpoint), "--draft", "early-exit:2", "-k", "2", "--max-seq-len", "64",
+    assert main(["export", str(checkpoint), "--draft", "ngram:2", "-k", "2", "--max-seq-len", "64",
                  "--format", "pt2", "-o", str(out)]) == 0
     assert "weights.safetensors" in capsys.readouterr().out
     tok = AutoTokenizer.from_pretrained(str(out))                 # the tokenizer sits at the top level

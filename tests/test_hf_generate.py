@@ -44,14 +44,12 @@ IDS = torch.tensor([[5, 17, 33, 8, 41, 12, 9]])
 # --- Exactness on the embedded model -------------------------------------------------------
 
 @pytest.mark.slow
-def test_greedy_equals_plain_generate_on_evaluation_prompts(pycoder):
-    model, tok = pycoder
+def test_greedy_equals_plain_generate_on_evaluation_prompts(pycoder, pycoder_references):
+    model, _ = pycoder
     gen = specfx.generate_with(draft="mtp", max_seq_len=320, backend="eager")
     accepted = []
-    for text in zoo.prompts("completion"):                        # every evaluation prompt
-        ids = tok(text, return_tensors="pt").input_ids
+    for ids, ref in pycoder_references:                           # every evaluation prompt, plain generate
         ours = run(model, ids, custom_generate=gen, do_sample=False, max_new_tokens=32)
-        ref = run(model, ids, do_sample=False, max_new_tokens=32)
         assert ours.shape == ref.shape
         assert_greedy_equal(model, ours, ref, ids.shape[1])
         accepted.append(gen.compiled(model).last_stats.mean_accepted)

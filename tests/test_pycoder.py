@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import specfx
 from helpers import assert_greedy_equal
@@ -14,24 +13,12 @@ pytestmark = pytest.mark.slow
 FLOORS = {"mtp": 2.2, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
 
 
-@pytest.fixture(scope="module")
-def references(pycoder):
-    """(prompt ids, model.generate greedy output) for every evaluation prompt, 32 new tokens."""
-    model, tok = pycoder
-    out = []
-    for text in zoo.prompts("completion"):
-        ids = tok(text, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out.append((ids, model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)))
-    return out
-
-
-def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, references):
+def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, pycoder_references):
     model, _ = pycoder
     fast = specfx.compile(model, draft="early-exit", max_seq_len=320, backend="eager")
     assert fast.drafter.layer == model.config.specfx_exit_layer
     accepted = []
-    for ids, ref in references:
+    for ids, ref in pycoder_references:
         assert_greedy_equal(model, fast.generate(ids, max_new_tokens=32), ref, ids.shape[1])
         accepted.append(fast.last_stats.mean_accepted)
     # LayerSkip training makes even the first layer's exit a useful draft: drafts are accepted
@@ -40,11 +27,11 @@ def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, references):
 
 
 @pytest.mark.parametrize("draft", ["mtp", "draft-model:pycoder-draft", "ngram:3"])
-def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, references, draft):
+def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, pycoder_references, draft):
     model, _ = pycoder
     fast = specfx.compile(model, draft=draft, max_seq_len=320, backend="eager")
     calls = accepted = 0
-    for ids, ref in references:
+    for ids, ref in pycoder_references:
         assert_greedy_equal(model, fast.generate(ids, max_new_tokens=32), ref, ids.shape[1])
         calls += fast.last_stats.target_calls
         accepted += fast.last_stats.mean_accepted * fast.last_stats.target_calls
