@@ -24,7 +24,7 @@ demo: setup
 
 # One worker per core (pytest-xdist); each worker runs torch on one thread (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -n auto -m "not slow"
