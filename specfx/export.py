@@ -190,10 +190,33 @@ def _lean(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _writes(ep, inputs: list[str]) -> list[str]:
-    """The inputs a program writes in place, read from its functionalized signature."""
+    """The inputs a program writes in place, in input order: those that the written argument of
+    an in-place op reaches through views. (torch.export's graph keeps its mutations as ops;
+    functionalizing it to read them from its signature re-traces the whole program.)"""
+    written = set()
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written.add(_view_base(value))
+        for arg in schema.arguments:
+            if arg.name in node.kwargs and arg.alias_info is not None and arg.alias_info.is_write:
+                written.add(_view_base(node.kwargs[arg.name]))
     names = dict(zip(ep.graph_signature.user_inputs, inputs))
-    mutated = ep.run_decompositions({}).graph_signature.user_inputs_to_mutate.values()
-    return [names[m] for m in mutated]
+    return [names[n.name] for n in ep.graph.nodes if n.op == "placeholder" and n in written and n.name in names]
+
+
+def _view_base(node):
+    """The node whose storage `node` views: followed through ops that return an alias of their
+    first argument (view, slice, select, transpose, ...)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
 
 
 def _collect_weights(eps: dict, model, state) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:

@@ -54,6 +54,20 @@ def fresh_process(code: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def test_the_writes_read_from_the_graph_are_the_functionalized_programs(fast):
+    # The manifest's writes (and the ONNX step's outputs) come from the in-place ops of each
+    # program's graph; functionalizing the program lists its mutated inputs in its signature.
+    from specfx.export import _writes, export_programs
+
+    programs = export_programs(fast.graphs)
+    for name, (ep, info) in programs.items():
+        by_signature = ep.run_decompositions({}).graph_signature.user_inputs_to_mutate.values()
+        names = dict(zip(ep.graph_signature.user_inputs, info["inputs"]))
+        assert _writes(ep, info["inputs"]) == [names[m] for m in by_signature], name
+    ep, info = programs["step"]
+    assert {"tokens", "lengths", "kv_0"} <= set(_writes(ep, info["inputs"]))
+
+
 def test_pt2_generate_equals_in_process_generate(fast, loaded):
     for kwargs in (dict(), dict(do_sample=True, temperature=0.8, top_k=20, seed=7)):
         ref = fast.generate(PROMPTS, MASK, max_new_tokens=24, eos_token_id=[], **kwargs)
