@@ -310,8 +310,8 @@ def test_bad_sampling_settings_are_refused():
 
 @pytest.mark.slow
 def test_sampling_step_has_no_host_sync_and_compiles_fullgraph():
-    model = tiny_model("llama", layers=3, seed=2)
-    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=32,
+    model = tiny_model("llama", layers=2, seed=2)      # as tests/test_compiled.py: shared kernels
+    fast = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=3, max_seq_len=200,
                           backend="inductor", warmup=False)
     step = fast.graphs.fused_sample_step()
     assert find_host_syncs(step) == []
@@ -320,7 +320,7 @@ def test_sampling_step_has_no_host_sync_and_compiles_fullgraph():
     assert explain.graph_break_count == 0
     # The compiled step samples the tokens the uncompiled one does from the same seed (Inductor
     # rounds differently; a flip would need a draw within ~1e-6 of a decision boundary).
-    eager = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, max_seq_len=32, backend="eager")
+    eager = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=3, max_seq_len=200, backend="eager")
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
     for seed in (0, 1):
         kw = dict(max_new_tokens=16, do_sample=True, temperature=1.0, seed=seed, eos_token_id=[])
