@@ -23,9 +23,8 @@ demo: setup
 	$(PY) -m specfx.demo
 
 # One worker per core (pytest-xdist); each worker runs torch on one thread (tests/conftest.py).
-# loadgroup: tests marked with one xdist_group run on one worker (a session fixture computed once).
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n auto --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -n auto -m "not slow"

@@ -44,7 +44,6 @@ IDS = torch.tensor([[5, 17, 33, 8, 41, 12, 9]])
 # --- Exactness on the embedded model -------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pycoder_references")      # computed once, on one worker (Makefile: loadgroup)
 def test_greedy_equals_plain_generate_on_evaluation_prompts(pycoder, pycoder_references):
     model, _ = pycoder
     gen = specfx.generate_with(draft="mtp", max_seq_len=320, backend="eager")

@@ -8,9 +8,7 @@ import specfx
 from helpers import assert_greedy_equal
 from specfx import zoo
 
-# The tests that read pycoder's greedy references run on one worker, which computes them once
-# (`make test` distributes with --dist loadgroup).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pycoder_references")]
+pytestmark = pytest.mark.slow
 
 FLOORS = {"mtp": 2.2, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
 
