@@ -24,15 +24,31 @@ def pycoder():
 
 
 @pytest.fixture(scope="session")
-def pycoder_references(pycoder):
+def pycoder_references(pycoder, tmp_path_factory):
     """(prompt ids, plain greedy `model.generate` output, 32 new tokens) for every evaluation
-    prompt of the zoo model."""
+    prompt of the zoo model. Under pytest-xdist the first worker to ask computes them and the
+    others read its file (the run's shared temporary folder, behind a lock)."""
+    from filelock import FileLock
+
     from specfx import zoo
 
     model, tok = pycoder
-    out = []
-    for text in zoo.prompts("completion"):
-        ids = tok(text, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out.append((ids, model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)))
-    return out
+
+    def compute():
+        out = []
+        for text in zoo.prompts("completion"):
+            ids = tok(text, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out.append((ids, model.generate(ids, max_new_tokens=32, do_sample=False,
+                                                pad_token_id=tok.pad_token_id)))
+        return out
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent / "pycoder_references.pt"     # this run's, per worker above
+    with FileLock(f"{shared}.lock"):
+        if shared.is_file():
+            return torch.load(shared)
+        out = compute()
+        torch.save(out, shared)
+        return out
