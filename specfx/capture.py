@@ -139,7 +139,7 @@ class StaticDecoder(nn.Module):
         a verify graph of a draft tree gets both explicitly: `slots` [B, W] to write and
         `visible` [B, 1, W, kv_slots(max_seq_len)] bool (see `specfx.runtime.tree.Tree`).
         """
-        if getattr(self.model.config, "alibi", False):
+        if getattr(text_config(self.model), "alibi", False):
             raise StructureError(
                 f"{architecture(self.model)}: ALiBi position bias (config.alibi) is not supported: the model "
                 "builds it from a padding mask of its own, which specfx's position mask replaces")
