@@ -198,12 +198,9 @@ def _writes(ep, inputs: list[str]) -> list[str]:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         if schema is None:
             continue
-        for arg, value in zip(schema.arguments, node.args):
+        for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
-                written.add(_view_base(value))
-        for arg in schema.arguments:
-            if arg.name in node.kwargs and arg.alias_info is not None and arg.alias_info.is_write:
-                written.add(_view_base(node.kwargs[arg.name]))
+                written.add(_view_base(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)))
     names = dict(zip(ep.graph_signature.user_inputs, inputs))
     return [names[n.name] for n in ep.graph.nodes if n.op == "placeholder" and n in written and n.name in names]
 
