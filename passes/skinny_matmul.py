@@ -191,17 +191,31 @@ def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
     from specfx.kernels import tiled_linear  # noqa: F401 - defines torch.ops.specfx.tiled_*
 
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
-    tiled = {torch.ops.specfx.tiled_linear.default: _linear_sums, torch.ops.specfx.tiled_mix.default: _mix_sums}
+    tiled = {torch.ops.specfx.tiled_linear.default: _linear_sums, torch.ops.specfx.tiled_mix.default: _mix_sums,
+             torch.ops.specfx.tiled_attend.default: _attend_sums}
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is MATERIALIZE:
             node.replace_all_uses_with(node.args[0])
             out.graph.erase_node(node)
         elif node.op == "call_function" and node.target in tiled:
             with out.graph.inserting_before(node):
-                value = tiled[node.target](out, *node.args[:2])
+                value = tiled[node.target](out, *node.args[:-1])
             _replace(out, node, value)
     out.recompile()
     return out
+
+
+def _attend_sums(gm: fx.GraphModule, q: fx.Node, k: fx.Node, v: fx.Node, bias: fx.Node, scale: float) -> fx.Node:
+    """`tiled_attend` as products and sums: the scores, plus each query row's bias, their softmax,
+    the weighted values (see `specfx.kernels.tiled_linear.attend_reference`)."""
+    heads, R, _ = q.meta["val"].shape
+    B, W = bias.meta["val"].shape[:2]
+    bias = insert_call(gm, aten.unsqueeze.default, (insert_call(gm, aten.unsqueeze.default, (bias, 1)), 2))
+    bias = insert_call(gm, aten.expand.default, (bias, [-1, heads // B, R // W, -1, -1]))     # [B, Hkv, G, W, L]
+    bias = insert_call(gm, aten.reshape.default, (bias, [heads, R, -1]))
+    scores = insert_call(gm, aten.mul.Tensor, (_linear_sums(gm, q, k), scale))
+    probs = insert_call(gm, aten._softmax.default, (insert_call(gm, aten.add.Tensor, (scores, bias)), -1, False))
+    return _mix_sums(gm, probs, v)
 
 
 def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:

@@ -68,6 +68,8 @@ def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
     stripped = strip_materialize(res.graph_module)                                # what export sees
     assert _count(stripped, tiled) == _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
+    assert _count(res.graph_module, torch.ops.specfx.tiled_attend.default) == 2    # attention, one per layer
+    assert _count(stripped, torch.ops.specfx.tiled_attend.default) == 0
     assert _count(stripped, aten.linear.default) == 0                             # products and sums
     torch.testing.assert_close(_run(stripped, ids, pos), ref, atol=1e-4, rtol=1e-4)
 

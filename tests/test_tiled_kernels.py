@@ -42,6 +42,28 @@ def test_batched_operands_that_are_not_whole_rows_of_a_static_buffer():
         torch.testing.assert_close(mixed, (x @ keys.transpose(1, 2)) @ keys, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("B,Hkv,G,W,D", [(1, 5, 1, 4, 64), (2, 2, 2, 3, 64), (1, 5, 1, 1, 64), (1, 3, 1, 8, 128)])
+def test_fused_attention_equals_its_torch_form(B, Hkv, G, W, D):
+    """`tiled_attend` compiled (scores, masked softmax and weighted values in one kernel) against
+    the same math in torch ops, over spans of one compiled graph (a partial block of slots: 37,
+    70; whole blocks: 64), grouped query heads (row r of a kv head reads mask row r % W), two
+    batches (each its own mask), tiles of 4, 2 and 1 query rows, and masks with holes (a tree's)."""
+    def f(q, kv, vv, bias, span):
+        L = span.shape[0]
+        return torch.ops.specfx.tiled_attend(q, kv[:, :L], vv[:, :L], bias[:, :, :L], 0.125, tiled_linear.VERSION)
+
+    fn = compile_graph(fx.symbolic_trace(f), "inductor", dynamic={"span": (0,), "bias": (2,)})
+    S = 100
+    q = torch.randn(B * Hkv, G * W, D)
+    kv, vv = torch.randn(B * Hkv, S, D), torch.randn(B * Hkv, S, D)
+    for L in (37, 64, 70):
+        seen = torch.rand(B, W, S) < 0.7
+        seen[..., 0] = True
+        bias = torch.where(seen, 0.0, float("-inf"))
+        want = tiled_linear.attend_reference(q, kv[:, :L], vv[:, :L], bias[:, :, :L], 0.125)
+        torch.testing.assert_close(fn(q, kv, vv, bias, torch.empty(L)), want, rtol=1e-5, atol=1e-5)
+
+
 def test_shapes_the_kernels_do_not_take_are_refused():
     V = tiled_linear.VERSION
     fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")

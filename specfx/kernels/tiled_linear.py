@@ -7,7 +7,11 @@
   tile's accumulators across lanes together (see the header).
 - `tiled_mix(p [B, M, L], v [B, L, D]) -> [B, M, D]` (`torch.ops.specfx.tiled_mix`): p @ v,
   attention's weighted sum of cached values; compiled, `mix` in the header.
-- Run eagerly (the eager backend, torch.export) they are `F.linear` / `torch.matmul`. Compiled,
+- `tiled_attend(q, k, v, bias, scale)` (`torch.ops.specfx.tiled_attend`): a few queries' whole
+  attention over a span of cached keys and values, each head's scores, masked softmax and
+  weighted values in one pass of one thread; compiled, `attend` in `tiled_attend.h`.
+- Run eagerly (the eager backend, torch.export) they are `F.linear` / `torch.matmul` (and
+  `attend_reference`). Compiled,
   the kernel is defined in the graph's own C++ source and called from its wrapper like
   Inductor's generated kernels: no dispatcher call, no Python, and the graph keeps its buffers
   on the stack (`runtime.compile`). K, D and the batch are fixed in the code; the rows M and
@@ -19,7 +23,7 @@
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
 
-Their last argument is `VERSION`, a hash of the header and of this module (the lowerings), so
+Their last argument is `VERSION`, a hash of the headers and of this module (the lowerings), so
 that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only.
 """
 
@@ -34,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
-VERSION = int(hashlib.sha256((SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
-_ARG_TYPES = ["const float*", "const float*", "float*", "const int64_t", "const int64_t"]
+ATTEND_SOURCE = Path(__file__).with_name("tiled_attend.h").read_text()
+VERSION = int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
+# A kernel's inputs as its C++ parameters (then `float* Y`, `const int64_t M`, `const int64_t N`).
+_TWO = ["const float* X", "const float* W"]
 
 
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
@@ -58,6 +64,38 @@ def tiled_mix(p: torch.Tensor, v: torch.Tensor, version: int) -> torch.Tensor:
 @tiled_mix.register_fake
 def _(p, v, version):
     return p.new_empty(*p.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("specfx::tiled_attend", mutates_args=())
+def tiled_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                 version: int) -> torch.Tensor:
+    """Attention of q [B * Hkv, R, D] over k, v [B * Hkv, L, D]: row r of head (b, h) adds row
+    r % W of bias [B, W, L] to its scaled scores (0 where it sees a slot, -inf where not; R =
+    G * W: a kv head's G query heads)."""
+    return attend_reference(q, k, v, bias, scale)
+
+
+@tiled_attend.register_fake
+def _(q, k, v, bias, scale, version):
+    return q.new_empty(q.shape)
+
+
+def attend_reference(q, k, v, bias, scale: float) -> torch.Tensor:
+    """`tiled_attend` in torch ops: the scores, their masked softmax and the weighted values."""
+    B, W, L = bias.shape
+    heads, R, D = q.shape
+    bias = bias[:, None].expand(B, heads // B, W, L).repeat(1, 1, R // W, 1).reshape(heads, R, L)
+    return (q @ k.transpose(-1, -2) * scale + bias).softmax(-1) @ v
+
+
+def attend_rows(heads: int, R: int, D: int, threads: int) -> int:
+    """Query rows per task of `tiled_attend` (4, 2 or 1): the most that the mix's accumulators
+    allow (`mix`'s rule) and that split the (head, tile) tasks evenly among the threads where
+    fewer rows would."""
+    lanes = 16
+    fits = [rm for rm in (4, 2, 1) if rm <= (4 if D // lanes < 8 else 2 if D // lanes < 16 else 1)]
+    even = [rm for rm in fits if heads * -(-R // rm) % threads == 0 and rm <= R]
+    return (even or [rm for rm in fits if rm <= R] or [1])[0]
 
 
 def mix_fits(v_shape, dtype: torch.dtype, device: torch.device) -> bool:
@@ -96,23 +134,31 @@ def register() -> None:
         is the C++ statement in the kernel's body (X, W, Y: the buffers; M: the rows, N: the
         span, each a size that may be symbolic, passed at each call)."""
 
-        def __init__(self, layout, inputs, call: str, rows, span):
+        def __init__(self, layout, inputs, call: str, rows, span, params=_TWO):
             super().__init__(layout, inputs)
-            self.call, self.rows, self.span = call, rows, span
+            self.call, self.rows, self.span, self.params = call, rows, span, params
 
         def codegen(self, wrapper) -> None:
-            name = _define(wrapper, self.call.replace("THREADS", str(parallel_num_threads())))
+            params = [*self.params, "float* Y", "const int64_t M", "const int64_t N"]
+            name = _define(wrapper, self.call.replace("THREADS", str(parallel_num_threads())), params)
             args = [t.get_name() for t in self.inputs] + [self.get_name(), wrapper.codegen_sizevar(self.rows),
                                                           wrapper.codegen_sizevar(self.span)]
-            wrapper.generate_kernel_call(name, args, triton=False, arg_types=_ARG_TYPES)
+            wrapper.generate_kernel_call(name, args, triton=False,
+                                         arg_types=[p.rsplit(" ", 1)[0] for p in params])
 
-    def _define(wrapper, call: str) -> str:
+    def _define(wrapper, call: str, params: list[str]) -> str:
         """The kernel for this call, defined once per graph (as Inductor defines its own)."""
+        from torch._inductor import config
+
         marker = "SPECFX_TILED_KERNEL"
-        src = (f"#include <torch/csrc/inductor/cpp_prefix.h>\n{SOURCE}\n"
-               f'extern "C" void {marker}(const float* X, const float* W, float* Y, const int64_t M, '
-               f'const int64_t N)\n'
-               f"{{ {call}; }}\n")
+        record = ""
+        if config.cpp.enable_kernel_profile:        # as Inductor's kernels: an event named by the call
+            record = f'torch::aot_inductor::RAIIAtenRecordFunctionHandle record_("{call}", nullptr); '
+        src = (f"#include <torch/csrc/inductor/cpp_prefix.h>\n"
+               + ("#include <torch/csrc/inductor/aoti_runtime/utils.h>\n" if record else "")
+               + f"{SOURCE}\n" + (f"{ATTEND_SOURCE}\n" if "attend" in call else "")
+               + f'extern "C" void {marker}({", ".join(params)})\n'
+               f"{{ {record}{call}; }}\n")
         if src in wrapper.src_to_kernel:
             return wrapper.src_to_kernel[src]
         name = f"cpp_specfx_tiled_{wrapper.next_kernel_suffix()}"
@@ -120,7 +166,8 @@ def register() -> None:
         code = src.replace(marker, name if V.graph.cpp_wrapper else "kernel")
         first = code.rfind('extern "C"')
         definition = code[first:code.find(")", first) + 1] + ";\n"
-        body = code if V.graph.cpp_wrapper else f"async_compile.cpp_pybinding({_ARG_TYPES!r}, r'''\n{code}''')"
+        arg_types = [p.rsplit(" ", 1)[0] for p in params]
+        body = code if V.graph.cpp_wrapper else f"async_compile.cpp_pybinding({arg_types!r}, r'''\n{code}''')"
         wrapper.define_kernel(name, body, gpu=False, cpp_definition=definition)
         return name
 
@@ -152,6 +199,21 @@ def register() -> None:
         layout = ir.FixedLayout(p.get_device(), torch.float32, [B, M, D])
         call = f"specfx_tiled::mix<{int(M)}, {D}>(X, W + {offset}, Y, {int(B)}, N, {vb}, THREADS)"
         return ir.TensorBox.create(Tiled(layout, [p, v], call, M, L))
+
+    @lowering.register_lowering(torch.ops.specfx.tiled_attend.default)
+    def _lower_attend(q, k, v, bias, scale, version):
+        q, bias = contiguous(q), contiguous(bias)
+        heads, R, D = (int(d) for d in q.get_size())
+        B, W = (int(d) for d in bias.get_size()[:2])
+        k, kb, koff = rows(k)
+        v, vb, voff = rows(v)
+        L = k.get_size()[1]
+        RM = attend_rows(heads, R, D, parallel_num_threads())
+        layout = ir.FixedLayout(q.get_device(), torch.float32, [heads, R, D])
+        call = (f"specfx_tiled::attend<{RM}, {D}>(Q, K + {koff}, {kb}, Vv + {voff}, {vb}, S, Y, {heads}, "
+                f"{heads // B}, {R}, {W}, N, {float(scale)!r}f, THREADS)")
+        params = ["const float* Q", "const float* K", "const float* Vv", "const float* S"]
+        return ir.TensorBox.create(Tiled(layout, [q, k, v, bias], call, R, L, params))
 
 
 @cache
