@@ -25,8 +25,8 @@ Forms of the same math:
   otherwise reductions that Inductor generates itself (one horizontal sum per query and slot).
   On pycoder at a 200-token context the tiled form took a decode graph from 2.24 to 2.15 ms, a
   4-row verify from 2.40 to 2.30 and a 16-row one from 4.90 to 4.24 (interleaved A/B, 15
-  rounds); the fused kernel then took the decode graph from 1.566 to 1.517 ms and the 4-row
-  verify from 1.922 to 1.846 (one process, round-robin, 40 rounds, a ~115-token prompt);
+  rounds); the fused kernel then took the decode graph from 1.693 to 1.654 ms and the 4-row
+  verify from 2.224 to 2.099 (one process, round-robin, 40 rounds, a ~115-token prompt);
 - `scaled_dot_product_attention`: elsewhere (fused kernels on CUDA), and for the CPU's wide or
   variable-width prefill, where one product-and-sum per query and slot loses to SDPA's GEMMs.
 Logit soft-capping (Gemma 2's `softcap`) and grouped-query attention are handled in both; a

@@ -21,20 +21,30 @@ namespace specfx_tiled {
 static inline void masked_softmax(float* s, const float* bias, long L, float scale) {
   using Vec = at::vec::Vectorized<float>;
   constexpr long S = Vec::size();
+  const Vec vscale(scale);
+  Vec vtop(-INFINITY);
+  long l = 0;
+  for (; l + S <= L; l += S) {
+    const Vec x = Vec::loadu(s + l) * vscale + Vec::loadu(bias + l);
+    x.store(s + l);
+    vtop = at::vec::maximum(vtop, x);
+  }
+  float lanes[S];
+  vtop.store(lanes);
   float top = -INFINITY;
-  for (long l = 0; l < L; l++) {
+  for (long i = 0; i < S; i++) top = std::max(top, lanes[i]);
+  for (; l < L; l++) {
     s[l] = s[l] * scale + bias[l];
     top = std::max(top, s[l]);
   }
-  const Vec vtop(top);
+  vtop = Vec(top);
   Vec vsum(0.f);
-  long l = 0;
+  l = 0;
   for (; l + S <= L; l += S) {
     const Vec e = (Vec::loadu(s + l) - vtop).exp();
     e.store(s + l);
     vsum = vsum + e;
   }
-  float lanes[S];
   vsum.store(lanes);
   float sum = 0;
   for (long i = 0; i < S; i++) sum += lanes[i];
