@@ -25,7 +25,16 @@ WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 # turns contraction off by default; the step's kernels are products and sums (the skinny
 # matmuls, attention), which then issue twice the floating-point instructions. The rounding
 # differs from an unfused product and sum as a different summation order does.
-CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast"}
+#
+# Loops of fewer than `cpp.min_chunk_size` elements a thread run on one thread (Inductor's
+# default: 512). A few-row step is full of loops over a few rows of the hidden size (norms,
+# residuals, rotary, SiLU: 4 x 320 elements in pycoder's verify), each of which then opened a
+# parallel region of its own, whose fork and join cost more than the loop; serial, the other
+# thread waits for the next tiled kernel instead. pycoder (one process, round-robin, 30
+# rounds), 512 against 4096: 4-row verify 2.187 -> 2.082 ms, MTP step 3.198 -> 3.134, decode
+# 1.782 -> 1.770 (an earlier pair of runs: verify 2.084 -> 1.928 at 2048, 1.925 at 32768). A
+# prefill's loops (128 rows) stay parallel: its first token took 18.04 / 18.09 ms.
+CPU_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast", "cpp.min_chunk_size": 4096}
 # The compiled graph's wrapper on the CPU: C++, with the intermediate buffers of a static size
 # (a few hundred per step) as arrays on the caller's stack, Inductor's AOTInductor option
 # `allow_stack_allocation`, which its C++ wrapper honours in this process too. Heap buffers cost

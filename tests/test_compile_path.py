@@ -33,7 +33,8 @@ def test_steps_run_without_guard_checks_or_recompiles():
 
 
 def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
-    """The CPU kernels fuse multiply-add (Inductor's default is off; see CPU_INDUCTOR); the
+    """The CPU kernels fuse multiply-add (Inductor's default is off; see CPU_INDUCTOR) and run
+    loops of a few rows on one thread (min_chunk_size); the
     wrapper is C++ and keeps buffers on the stack (CPU_WRAPPER): Inductor's stack-allocating
     wrapper is registered for the CPU during the compile only, with the budget STACK_ELEMENTS."""
     import torch._inductor.compile_fx as cfx
@@ -48,13 +49,14 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     registered = common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE
     seen = []
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, args: seen.append(
-        (config.cpp.enable_floating_point_contract_flag, config.cpp_wrapper, config.memory_planning,
+        (config.cpp.enable_floating_point_contract_flag, config.cpp.min_chunk_size, config.cpp_wrapper,
+         config.memory_planning,
          config.aot_inductor.allow_stack_allocation, common.device_codegens["cpu"].cpp_wrapper_codegen,
          arrayref.MAX_STACK_ALLOCATION_SIZE)) or gm)
     fn = compile_graph(fx.symbolic_trace(lambda x: x * 2 + 1), "inductor")
     x = torch.ones(3)
     torch.testing.assert_close(fn(x), x * 2 + 1)
-    assert seen == [("fast", True, False, True, arrayref.CppWrapperCpuArrayRef, STACK_ELEMENTS)]
+    assert seen == [("fast", 4096, True, False, True, arrayref.CppWrapperCpuArrayRef, STACK_ELEMENTS)]
     assert (common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE) == registered
 
 
