@@ -132,8 +132,9 @@ def register() -> None:
 
     class Tiled(ir.ExternKernelOut):
         """One of the header's kernels, defined in and called from the graph's code. `call`
-        is the C++ statement in the kernel's body (X, W, Y: the buffers; M: the rows, N: the
-        span, each a size that may be symbolic, passed at each call)."""
+        is the C++ statement in the kernel's body (its inputs by the names in `params`, X and W
+        unless given; Y the output; M: the rows, N: the span, each a size that may be symbolic,
+        passed at each call)."""
 
         def __init__(self, layout, inputs, call: str, rows, span, params=_TWO):
             super().__init__(layout, inputs)
@@ -212,7 +213,7 @@ def register() -> None:
         RM = attend_rows(R, D)
         layout = ir.FixedLayout(q.get_device(), torch.float32, [heads, R, D])
         call = (f"specfx_tiled::attend<{RM}, {D}>(Q, K + {koff}, {kb}, Vv + {voff}, {vb}, S, Y, {heads}, "
-                f"{heads // B}, {R}, {W}, N, {float(scale)!r}f, THREADS)")
+                f"{heads // B}, {R}, {W}, N, (float){float(scale)!r}, THREADS)")      # rounded as torch rounds it
         params = ["const float* Q", "const float* K", "const float* Vv", "const float* S"]
         return ir.TensorBox.create(Tiled(layout, [q, k, v, bias], call, R, L, params))
 
@@ -228,7 +229,9 @@ def available() -> tuple[bool, str]:
     def probe(x, w, kv, span):
         keys = kv[:, :span.shape[0]]                            # a span of a cache, of any length
         scores = torch.ops.specfx.tiled_linear(x[None], keys, VERSION)
-        return torch.ops.specfx.tiled_linear(x, w, VERSION) + 1, torch.ops.specfx.tiled_mix(scores, keys, VERSION)
+        bias = torch.zeros(1, 3, span.shape[0])
+        return (torch.ops.specfx.tiled_linear(x, w, VERSION) + 1, torch.ops.specfx.tiled_mix(scores, keys, VERSION),
+                torch.ops.specfx.tiled_attend(x[None], keys, keys, bias, 0.5, VERSION))
 
     try:
         register()
@@ -237,7 +240,8 @@ def available() -> tuple[bool, str]:
         for L in (20, 36):
             out = fn(x, w, kv, torch.empty(L))
             keys = kv[0, :L]
-            for got, want in zip(out, (F.linear(x, w) + 1, (x @ keys.T) @ keys)):
+            want = F.linear(x, w) + 1, (x @ keys.T) @ keys, (x @ keys.T * 0.5).softmax(-1) @ keys
+            for got, want in zip(out, want):
                 torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
     except Exception as e:                                      # noqa: BLE001 - any failure: not offered
         return False, f"the tiled kernels do not compile here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
