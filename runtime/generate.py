@@ -5,7 +5,8 @@
   row and a `GenerationStats`. The prefill writes every prompt token's KV and appends each
   row's first new token (from the target's head over the last prompt token's hidden state:
   no drafting before the first token). The host reads device state once after it (TTFT); a
-  draft model's own prefill runs only then, as the first token needs none. Then the host reads
+  draft model's own prefill and an MTP head's first pass (`prefill_drafts`) run only then, as
+  the first token needs neither. Then the host reads
   at most every `sync_every` steps (done flags and lengths, and new tokens for the
   streamer); near the end it reads sooner, so that no step runs once every row is done.
 - `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
@@ -64,6 +65,7 @@ class Runtime:
         self.live_span = self.device.type == "cpu"
         self.prefill_fns = [(self._compile(p.gm, WIDTH), p.kv) for p in graphs.prefills]
         self.first_fn = self._compile(graphs.first)
+        self.prime_fn = None if graphs.prime is None else self._compile(graphs.prime)
         self._first_hist = torch.zeros(1, dtype=torch.long, device=self.device)   # the first token is no step
         self.step_fn = self._compile(graphs.step)
         self._sample_fns: dict[str, object] = {}          # warp variant -> compiled sampling step
@@ -90,7 +92,7 @@ class Runtime:
         at least 2: a slot past the prompt is the first new token's, which the first step writes
         again), then append each row's first new token: the argmax (or, with `sample`, a draw
         from the warped distribution) of the target's logits at its last prompt token. Then,
-        with `drafts`, a draft model's prefill (`prefill_drafts`); `generate` runs that after
+        with `drafts`, what drafting needs (`prefill_drafts`); `generate` runs that after
         the first token is out, since no draft is needed for it."""
         st = self.state
         last = st.lengths - 1                                         # [B]: each row's last prompt token
@@ -112,12 +114,15 @@ class Runtime:
 
     @torch.no_grad()
     def prefill_drafts(self, longest_prompt: int) -> None:
-        """A draft model's prefill over the prompts (nothing for the other drafters), chunked
-        as the target's; it must run before the first step."""
+        """What drafting needs before the first step and not before the first token: a draft
+        model's prefill over the prompts, chunked as the target's, and the drafter's `prime`
+        pass (an MTP head's output at the first token)."""
         st = self.state
         for fn, kv in self.prefill_fns[1:]:
             for _, ids, pos in self._chunks(longest_prompt):
                 fn(ids, pos, st.span, *st.kv[kv])
+        if self.prime_fn is not None:
+            self.prime_fn(*st.step_args())
 
     def _chunks(self, longest_prompt: int):
         """(start, ids [B, W], positions [B, W]) of each prefill chunk, the span covering it."""
@@ -215,7 +220,7 @@ class Runtime:
             first_tokens = sum(min(lengths[b] - prompt_lens[b], max_new_tokens) for b in range(len(prompts)))
             if streamer is not None:
                 self._stream(streamer, streamed, prompt_lens, max_new_tokens, eos)
-            if left > 0 and max_new_tokens > 1:          # the draft model catches up before the first step
+            if left > 0 and max_new_tokens > 1:          # the drafter catches up before the first step
                 self.prefill_drafts(max(prompt_lens))
             steps = 0
             # Each step emits >= 1 token per active row: max_new_tokens - 1 steps always suffice.
@@ -269,9 +274,9 @@ class Runtime:
 
         Drafting is every call of the drafter's graphs in one step (`Graphs.draft_calls`: for
         early exit and a draft model k+1 calls, the last writing the last draft's KV; for an
-        MTP head k drafts and one refill); prompt lookup has no draft graph (its n-gram match
-        is a few tensor ops). Verifying is one call of the verify graph (or, without a
-        drafter, the decode graph).
+        MTP head k - 1 drafts and one refill, which yields the next step's first draft); prompt
+        lookup has no draft graph (its n-gram match is a few tensor ops). Verifying is one call
+        of the verify graph (or, without a drafter, the decode graph).
         """
         g = self.graphs
         self.cover(steps=1)

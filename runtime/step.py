@@ -92,6 +92,13 @@ class StepInputs:
     def group(self, *names: str) -> list:
         return self.layout.take(self.kv, *names)
 
+    @classmethod
+    def of(cls, tokens, lengths, noise, warping, span, kv, *, layout: KVLayout, max_pos: int, sample=False):
+        """The inputs of a step over the state's `tokens` and `lengths` (the pending token is each
+        row's last)."""
+        last = lengths - 1                                            # [B]
+        return cls(tokens, last, tokens.gather(1, last[:, None]), noise, warping, span, kv, layout, max_pos, sample)
+
 
 @dataclass
 class Proposal:
@@ -115,11 +122,18 @@ class Drafter(nn.Module):
     def propose(self, s: StepInputs) -> Proposal:
         raise NotImplementedError
 
-    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor, n: torch.Tensor,
                      path: torch.Tensor | None) -> None:
         """Update what the drafter keeps from the verify outputs `out` (default: nothing): the
         accepted path's rows are `path` [B, D+1] (None for a chain: rows 0..k), at `positions`
-        [B, D+1], followed by `emitted` [B, D+1]."""
+        [B, D+1], followed by `emitted` [B, D+1], of which the first n [B] drafts were accepted
+        (emitted[n] is the next pending token)."""
+
+    def prime(self, s: StepInputs) -> None:
+        """Prepare the first step after the prefill and the first token (see `Prime`); only
+        drafters with `primes = True` have this pass."""
+
+    primes = False
 
 
 class NoDrafter(Drafter):
@@ -208,7 +222,7 @@ class DraftModelDrafter(Drafter):
                 qs.append(torch.cat([q, q.new_zeros(q.shape[0], self.pad)], -1) if self.pad else q)
         return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
 
-    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor, n: torch.Tensor,
                      path: torch.Tensor | None) -> None:
         if self.refill is None:
             return
@@ -230,9 +244,9 @@ def _head_input(combine, out, first: int, taps: int) -> torch.Tensor:
     return features if combine is None else combine(features)[0]
 
 
-def _gather_hidden(history: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """history [B, S, H] at positions [B, W] -> [B, W, H]."""
-    return history.gather(1, positions[:, :, None].expand(-1, -1, history.shape[-1]))
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, S, F] at rows [B, W] -> [B, W, F]."""
+    return x.gather(1, rows[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -243,13 +257,19 @@ class MTPDrafter(Drafter):
     """Drafts from an MTP head (one head pass per depth, along the spine of a spine tree; a
     chain of k by default), and its refill after verification.
 
-    KV groups: the head's key and value buffers ("head"), and the history of the target's final
-    hidden states [B, S, H] ("history": h_p written when position p is verified). Draft 1 reads
-    h at the pending token's predecessor (zeros for a one-token row); drafts 2..k feed the head
-    its own output. After acceptance the head re-runs over the k+1 positions of the accepted
-    path with the target's hidden states, so its KV holds what the target saw (the draft passes'
-    entries are overwritten).
+    KV groups: the head's key and value buffers ("head"), the history of the target's final
+    hidden states [B, S, H] ("history": h_p written when position p is verified), and the head's
+    output one position ahead ("ahead": logits [B, 1, V] and g [B, 1, H] at the pending token's
+    predecessor). Head position p reads (t_{p+1}, h_p), so draft 1 comes from the head at
+    position last - 1 over (pending, h_{last-1}): that is the row of the previous step's refill
+    at the accepted position (same token, hidden state, position and KV), and the refill keeps
+    its output there instead of a draft pass computing it again (`prime` computes it once
+    after the prefill). Drafts 2.. feed the head its own output g. After acceptance the head
+    re-runs over the D+1 positions of the accepted path with the target's hidden states, so its
+    KV holds what the target saw (the draft passes' entries are overwritten).
     """
+
+    primes = True
 
     def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, tree: Tree, *, taps: int = 1,
                  combine: fx.GraphModule | None = None):
@@ -257,30 +277,41 @@ class MTPDrafter(Drafter):
         self.head, self.refill, self.combine, self.taps = head, refill, combine, taps
         self.tree, self.branching = tree, _spine(tree)
 
-    def propose(self, s: StepInputs) -> Proposal:
-        x, (history,) = s.pending, s.group("history")
-        # A one-token row has no hidden state yet: draft 1 reads zeros at head position 0 and sees
-        # only its own entry there (never a stale one); the refill rewrites slot 0.
+    def prime(self, s: StepInputs) -> None:
+        """The head at the pending token's predecessor, which the first step's draft 1 reads. A
+        one-token row has no hidden state yet: it reads zeros at head position 0 and sees only
+        its own entry there (never a stale one); the refill rewrites slot 0."""
+        (history,), ahead = s.group("history"), s.group("ahead")
         first = (s.last - 1)[:, None]                                 # [B, 1]
-        h = _gather_hidden(history, first.clamp(min=0))               # [B, 1, H]
+        h = _gather_rows(history, first.clamp(min=0))                 # [B, 1, H]
         h = torch.where(first[:, :, None] < 0, torch.zeros_like(h), h)
+        out = self.head(s.pending, h, first.clamp(min=0, max=s.max_pos), s.span, *s.group("head"))
+        for i, buffer in enumerate(ahead):                            # logits, g
+            buffer.copy_(out[i])
+
+    def propose(self, s: StepInputs) -> Proposal:
+        x, (logits, h) = s.pending, s.group("ahead")                  # [B, 1], [B, 1, V], [B, 1, H]
         drafts, qs = [], []
         for j, width in enumerate(self.branching):           # the head runs along the spine
-            pos = (first + j).clamp(min=0, max=s.max_pos)
-            logits, h = self.head(x, h, pos, s.span, *s.group("head"))
+            if j:
+                pos = (s.last - 1 + j).clamp(min=0, max=s.max_pos)[:, None]
+                logits, h = self.head(x, h, pos, s.span, *s.group("head"))
             x, cand, q = candidates(logits[:, -1], width, s.sample, s.noise[:, j], s.warping)
             drafts.append(cand)
             qs.append(q)
         return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None)
 
-    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor,
+    def after_verify(self, s: StepInputs, out, positions: torch.Tensor, emitted: torch.Tensor, n: torch.Tensor,
                      path: torch.Tensor | None) -> None:
         hidden = _head_input(self.combine, out, 1, self.taps)        # [B, N+1, H]
         if path is not None:
-            hidden = _gather_hidden(hidden, path)                     # [B, D+1, H]: the accepted path's
+            hidden = _gather_rows(hidden, path)                       # [B, D+1, H]: the accepted path's
         _scatter_hidden(s.group("history")[0], positions, hidden)
-        # Refill: the token after position p is emitted[p - last] for every kept p.
-        self.refill(emitted, hidden, positions, s.span, *s.group("head"))
+        # Refill: the token after position p is emitted[p - last] for every kept p. Its row n
+        # (the new pending token over h at its predecessor) is the next step's draft 1.
+        refilled = self.refill(emitted, hidden, positions, s.span, *s.group("head"))
+        for i, buffer in enumerate(s.group("ahead")):                # logits, g
+            buffer.copy_(_gather_rows(refilled[i], n[:, None]))
 
 
 class SpecStep(nn.Module):
@@ -306,9 +337,8 @@ class SpecStep(nn.Module):
     def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
                 uniforms, noise, temperature, top_k, top_p, span, kv):
         tree = self.drafter.tree
-        last = lengths - 1                                            # [B]
-        s = StepInputs(tokens, last, tokens.gather(1, last[:, None]), noise, (temperature, top_k, top_p), span,
-                       kv, self.layout, self.max_pos, self.sample)
+        s = StepInputs.of(tokens, lengths, noise, (temperature, top_k, top_p), span, kv, layout=self.layout,
+                          max_pos=self.max_pos, sample=self.sample)
         p = self.drafter.propose(s)
         ids = s.pending if p.tokens is None else torch.cat([s.pending, p.tokens], 1)   # [B, N+1]
         target_kv = s.group(*self.drafter.verify_kv)
@@ -319,7 +349,7 @@ class SpecStep(nn.Module):
         if path is not None:     # a tree: the accepted path's KV moves to the slots of its positions
             move_path_kv(target_kv, s.last, path, self.max_pos)
         pos = Tree.chain(tree.depth).positions(s.last).clamp(max=self.max_pos)       # [B, D+1]: the kept rows
-        self.drafter.after_verify(s, out, pos, emitted, path)
+        self.drafter.after_verify(s, out, pos, emitted, n, path)
         commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n)
 
     def _accept(self, p: Proposal, target_logits, uniforms, noise, warping):
@@ -334,6 +364,20 @@ class SpecStep(nn.Module):
         if not tree.is_chain:
             return tree_speculative_accept(p.tokens, p.q, target, uniforms, noise, tree.branching)
         return (*speculative_accept(p.tokens, p.q, target, uniforms, noise), None)
+
+
+class Prime(nn.Module):
+    """The drafter's pass between the first token and the first step (`Drafter.prime`), over
+    the step's inputs: `forward(*step inputs, kv) -> ()`, writing the state in place."""
+
+    def __init__(self, drafter: Drafter, *, layout: KVLayout, max_pos: int):
+        super().__init__()
+        self.drafter, self.layout, self.max_pos = drafter, layout, max_pos
+
+    def forward(self, tokens, lengths, max_lens, done, eos, accept_hist,
+                uniforms, noise, temperature, top_k, top_p, span, kv):
+        self.drafter.prime(StepInputs.of(tokens, lengths, noise, (temperature, top_k, top_p), span, kv,
+                                         layout=self.layout, max_pos=self.max_pos))
 
 
 class MTPPrefill(nn.Module):
@@ -357,7 +401,7 @@ class MTPPrefill(nn.Module):
         (history,) = self.layout.take(kv, "history")
         _scatter_hidden(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)
-        self.head(input_ids, _gather_hidden(history, hpos), hpos, span, *self.layout.take(kv, "head"))
+        self.head(input_ids, _gather_rows(history, hpos), hpos, span, *self.layout.take(kv, "head"))
         return (out[0],)                                              # the target's last hidden state
 
 

@@ -29,7 +29,7 @@ from specfx.runtime.state import STEP_INPUTS, StaticState
 from specfx.runtime.stats import GenerationStats
 from specfx.runtime.tree import Tree
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 LOADABLE = ("pt2", "aoti")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -48,6 +48,7 @@ class Programs:
 
     prefills: list[LoadedPrefill]
     first: Callable          # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
+    prime: Callable | None   # (*step inputs, kv) -> (): the drafter's pass before the first step
     step: Callable
     load_sample_step: Callable[[], Callable]   # loaded at the first sampling call, not before
     state: StaticState
@@ -128,7 +129,8 @@ def load_artifact(folder: Path, format: str, device=None, *, trust_native_code: 
                                     weights, device, exported_on)
     prefills = [LoadedPrefill(name, program(name), slice(*entry["kv"]))
                 for name, entry in programs.items() if entry["role"] == "prefill"]
-    bundle = Programs(prefills, program("first"), program("step"), lambda: _sample_step(manifest, program),
+    prime = program("prime") if "prime" in programs else None
+    bundle = Programs(prefills, program("first"), prime, program("step"), lambda: _sample_step(manifest, program),
                       allocate_state(manifest, device),
                       manifest["k"], manifest_tree(manifest), manifest["prefill_chunk"], manifest["max_seq_len"],
                       weights)

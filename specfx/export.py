@@ -7,14 +7,15 @@ The folder (DESIGN.md, "Artifacts"):
     weights.safetensors   every weight once (tied and shared tensors are one entry)
     tokenizer.json, ...   the tokenizer: `AutoTokenizer.from_pretrained(folder)` works
     pt2/<name>.pt2        torch.export programs: each prefill, the first token's head (`first`),
-                          the greedy step, the sampling step
+                          the greedy step, the sampling step, and the drafter's pass between the
+                          first token and the first step (`prime`, an MTP head's)
     aoti/<name>.pt2       AOTInductor packages of the same programs (compiled for one device)
     onnx/step.onnx        the greedy step with the state as inputs and the written state as outputs
 
 Programs keep the runtime's calling convention and write the state in place: a prefill is
 `(input_ids [B, C], positions [B, C], span [L], *kv) -> (hidden,)`, `first` `(hidden [B, 1, H],
 positions [B, 1], span) -> (logits [B, 1, V],)` (the target's head over the last prompt token),
-a step `(*STEP_INPUTS, kv) -> ()`. The attention span's length L (2..seq_len, see `specfx.attention`) stays dynamic in
+a step and `prime` `(*STEP_INPUTS, kv) -> ()`. The attention span's length L (2..seq_len, see `specfx.attention`) stays dynamic in
 every program, as in the runtime's own graphs.
 torch.export keeps in-place writes to inputs (`ep.module()` performs them) and AOTInductor
 writes into the input buffers too, so both plug into `Runtime` as they are. ONNX has no in-place
@@ -129,7 +130,7 @@ def load(path, format: str = "pt2", device=None, *, trust_native_code: bool = Fa
 
 def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dict]]:
     """name -> (its `torch.export` program, its manifest entry) for each prefill, the first token's
-    head, the step and the sampling step."""
+    head, the step, the sampling step and any prime pass."""
     out = {}
     for name, (gm, args, info) in _programs(graphs).items():
         lean = _lean(gm)
@@ -140,7 +141,7 @@ def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dic
 
 def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
     """name -> (graph, example args, manifest entry) for each prefill, the first token's head, the
-    step and (for a chain) the sampling step."""
+    step, the sampling step and the drafter's prime pass, if it has one."""
     st, C = graphs.state, graphs.prefill_chunk
     B, dev, kv_names = st.batch_size, st.tokens.device, [f"kv_{i}" for i in range(len(st.kv))]
     ids = torch.zeros(B, C, dtype=torch.long, device=dev)
@@ -166,7 +167,9 @@ def _programs(graphs) -> dict[str, tuple[fx.GraphModule, tuple, dict]]:
                                                       "outputs": []})
     programs["sample_step"] = (graphs.fused_sample_step(), st.step_args(),
                                {"role": "step", "sample": True, "inputs": step_inputs, "outputs": []})
-    if len(programs) != len(graphs.prefills) + 3:
+    if graphs.prime is not None:
+        programs["prime"] = (graphs.prime, st.step_args(), {"role": "prime", "inputs": step_inputs, "outputs": []})
+    if len(programs) != len(graphs.prefills) + 3 + (graphs.prime is not None):
         raise ValueError(f"program names must be unique, got prefills {[p.name for p in graphs.prefills]}")
     return programs
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
                             static_positions)
@@ -24,7 +24,7 @@ from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead
                            StructureError, StructureMap, TreeAttention, TruncateAtExit, check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
-                                 NoDrafter, SpecStep, trace_step)
+                                 NoDrafter, Prime, SpecStep, trace_step)
 from specfx.runtime.tree import Tree
 
 # Prefill chunk: one graph serves every width up to it. On the 2-core CPU a 115-token prompt
@@ -64,6 +64,7 @@ class Drafting:
     make_step: Callable              # sample: False, True or a warp variant -> step module (before tracing)
     prefills: list[Prefill]          # the target's (with any head it fills) first, then a draft model's
     extra_kv: list = field(default_factory=list)   # buffers after the target's (head, history, draft model)
+    prime: nn.Module | None = None   # runs between the first token and the first step (`step.Prime`)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Graphs:
     kv_slices: dict[str, slice]               # part -> its slice of state.kv
     draft_calls: dict[str, int]               # draft part -> calls per step
     first: fx.GraphModule            # (hidden [B, 1, H], positions [B, 1], span) -> (logits [B, 1, V],)
+    prime: fx.GraphModule | None     # (*step inputs, kv) -> (): the drafter's pass before the first step
     records: list
     make_step: Callable              # sample: False, True or a warp variant -> step module (before tracing)
     sample_steps: dict[str, fx.GraphModule] = field(default_factory=dict)   # warp variant -> fused step, on use
@@ -248,7 +250,7 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         max_seq_len=max_seq_len, kv_layout=drafting.layout, parts={n: p.gm for n, p in parts.items()},
         kv_slices={n: drafting.layout.slice(*p.kv) for n, p in parts.items()},
         draft_calls={n: p.draft_calls for n, p in parts.items() if p.draft_calls}, first=first,
-        records=pm.records, make_step=drafting.make_step)
+        prime=None if drafting.prime is None else fuse_step(pm, drafting.prime, graph="prime"), records=pm.records, make_step=drafting.make_step)
 
 
 def fuse_step(pm: PassManager, step_module, *, graph: str) -> fx.GraphModule:
@@ -307,7 +309,7 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
     param = next(model.parameters())
     hidden_size, taps = head.hidden_size, head.taps(s.num_layers)
     combiner = head.combiner(target_parts(model))
-    layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1)))
+    layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1), ("ahead", 2)))
 
     def cap(width: int, name: str, logits: bool = False, dynamic: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
@@ -327,22 +329,25 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         return pm.run_all(skinny_passes(ctx.matmul), gm, graph=name)
 
     attach = lambda: ExposeHidden(head_hidden_size=hidden_size, taps=taps)  # noqa: E731
-    draft, refill = cap(1, "draft", logits=True), cap(k + 1, "refill")
+    draft, refill = cap(1, "draft", logits=True), cap(ctx.tree.depth + 1, "refill", logits=True)
     verify = ctx.verify([attach()])
     target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module
     history = torch.zeros(ctx.batch_size, ctx.seq_len, hidden_size, dtype=param.dtype, device=param.device)
+    ahead = [torch.zeros(ctx.batch_size, 1, n, dtype=param.dtype, device=param.device)   # draft 1's logits, g
+             for n in (s.vocab_size, hidden_size)]
     prefill = MTPPrefill(target_prefill, cap(ctx.prefill_chunk, "head_prefill", dynamic=True), layout=layout,
                          max_pos=ctx.max_pos, taps=len(taps),
                          combine=cap_combine(ctx.prefill_chunk, "combine_prefill", dynamic=True))
     combine = cap_combine(ctx.tree.size + 1, "combine")            # over the verify rows
-    parts = {"draft": Part(draft, ("head",), draft_calls=k), "refill": Part(refill, ("head",), draft_calls=1),
-             "verify": Part(verify, ("target",))}
+    # Draft 1 comes from the previous step's refill (see MTPDrafter): a head pass per later depth.
+    parts = {"draft": Part(draft, ("head",), draft_calls=ctx.tree.depth - 1),
+             "refill": Part(refill, ("head",), draft_calls=1), "verify": Part(verify, ("target",))}
     if combine is not None:
         parts["combine"] = Part(combine, ())
     make = lambda: MTPDrafter(draft, refill, ctx.tree, taps=len(taps), combine=combine)  # noqa: E731
     return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
                     [Prefill("prefill", fuse_step(pm, prefill, graph="prefill"), layout.slice("target", "head", "history"))],
-                    extra_kv=[*static.kv(), history])
+                    extra_kv=[*static.kv(), history, *ahead], prime=Prime(make(), layout=layout, max_pos=ctx.max_pos))
 
 
 @register(DraftModel)

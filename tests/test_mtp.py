@@ -215,9 +215,12 @@ def test_mtp_artifact_round_trip(tmp_path):
                           max_seq_len=48, backend="eager")
     fast.export(tmp_path / "art", formats=("pt2",))
     loaded = specfx.load(tmp_path / "art")
+    # The head's pass before the first step travels with the step (draft 1 of each step reads it).
+    assert loaded.manifest["programs"]["prime"]["role"] == "prime"
     ids = torch.randint(3, 96, (1, 7))
     assert torch.equal(loaded.generate(ids, max_new_tokens=16, eos_token_id=[]),
                        fast.generate(ids, max_new_tokens=16, eos_token_id=[]))
+    assert loaded.last_stats.acceptance_by_position == fast.last_stats.acceptance_by_position
 
 
 def test_unsupported_model_names_the_missing_part():
@@ -243,12 +246,14 @@ def test_mtp_step_has_no_host_sync_and_its_state_layout(tmp_path):
                           max_seq_len=32, backend="eager")
     g = fast.graphs
     assert find_host_syncs(g.step) == [] and find_host_syncs(g.fused_sample_step()) == []
-    assert find_host_syncs(g.prefill) == []
+    assert find_host_syncs(g.prefill) == [] and find_host_syncs(g.prime) == []
     assert not any(n.op == "call_module" for n in g.step.graph.nodes)
-    # Target KV, the head's key and value, the hidden-state history.
-    assert len(g.state.kv) == 2 * 3 + 3
-    assert g.state.kv[-1].shape == (1, g.state.seq_len, 64)
-    assert g.draft_calls == {"draft": 2, "refill": 1}
+    # Target KV, the head's key and value, the hidden-state history, draft 1's logits and g.
+    assert len(g.state.kv) == 2 * 3 + 5
+    assert g.state.kv[-3].shape == (1, g.state.seq_len, 64)
+    assert [t.shape for t in g.state.kv[-2:]] == [(1, 1, model.config.vocab_size), (1, 1, 64)]
+    # Draft 1 is the previous step's refill at the accepted row: one head pass per later draft.
+    assert g.draft_calls == {"draft": 1, "refill": 1}
 
 
 @pytest.mark.slow

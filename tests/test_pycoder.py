@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import specfx
 from helpers import assert_greedy_equal
@@ -65,3 +66,29 @@ def test_zoo_quality_floor(pycoder):
     assert agreement > 0.45, agreement
     head = evaluate_head(load_head(zoo.path("pycoder-mtp"), model), model, windows)["top1_agreement"]
     assert head > 0.6, head
+
+
+def test_mtp_first_draft_is_the_head_at_the_pending_token(pycoder, pycoder_references):
+    """An MTP step takes draft 1 from the previous step's refill, at the accepted row: after
+    every step it must equal the head run afresh over the new pending token (the prime pass),
+    whatever number of drafts was accepted."""
+    model, _ = pycoder
+    fast = specfx.compile(model, draft="mtp", num_speculative_tokens=3, max_seq_len=320, backend="eager")
+    rt, st, layout = fast.runtime, fast.graphs.state, fast.graphs.kv_layout
+    ahead, head_kv = st.kv[layout.slice("ahead")], st.kv[layout.slice("head")]
+    ids, _ = pycoder_references[0]
+    st.load_prompts([ids[0]], 40, [])
+    rt.prefill(ids.shape[1])
+    accepted = set()
+    for _ in range(10):
+        before = st.lengths.clone()
+        rt.step()
+        accepted.add(int(st.lengths - before) - 1)
+        kept = [t.clone() for t in st.kv]
+        rt.prime_fn(*st.step_args())                               # the head at the pending token, afresh
+        # The same output, and the refill had written the same key and value at that position.
+        for fresh, stored in zip(ahead + head_kv, kept[layout.slice("ahead")] + kept[layout.slice("head")]):
+            torch.testing.assert_close(stored, fresh, rtol=1e-4, atol=1e-4)
+        for t, k in zip(st.kv, kept):
+            t.copy_(k)
+    assert len(accepted) > 1 and max(accepted) > 0, accepted      # steps that accepted drafts, and others
