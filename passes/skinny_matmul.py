@@ -97,7 +97,7 @@ class SkinnyMatmul(Pass):
         choice = self.choose(rows, N, K)
         if choice.kernel == "tiled" and not _tiled_fits(node):
             fallback = "reduce" if isinstance(M, int) and M <= MAX_ROWS else "blas"
-            return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 contiguous weights, "
+            return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 rows, float32 or bfloat16 contiguous weights, "
                                     f"rows of at most one size not static, a compiler for it): {SHOWN[fallback]}")
         if choice.kernel == "reduce" and not (isinstance(M, int) and M <= MAX_ROWS):
             return Choice("blas", f"M={M}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
@@ -132,9 +132,21 @@ def _tiled_fits(node: fx.Node) -> bool:
     cached or user-supplied choice may name it where it does not)."""
     from specfx.kernels.tiled_linear import available
 
-    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
-    return (x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu"
-            and w.is_contiguous() and len(_lead(node)) == x.dim() - 1 and available()[0])
+    x, w = node.args[0].meta["val"], _stored_weight(node).meta["val"]
+    return (x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2
+            and x.device.type == w.device.type == "cpu" and w.is_contiguous() and len(_lead(node)) == x.dim() - 1
+            and available()[0])
+
+
+def _stored_weight(node: fx.Node) -> fx.Node:
+    """The linear's weight as stored: a bfloat16 weight widened to float32 where the graph reads it
+    (`w.to(float32)`, a draft's weights kept at half the bytes) is the bfloat16 one, which the
+    tiled kernel widens as it loads; any other weight is itself."""
+    w = node.args[1]
+    widen = w.op == "call_function" and w.target in (aten.to.dtype, aten._to_copy.default)
+    if widen and w.args[0].meta.get("val") is not None and w.args[0].meta["val"].dtype == torch.bfloat16:
+        return w.args[0]
+    return w
 
 
 def _lead(node: fx.Node) -> list:
@@ -147,7 +159,7 @@ def _lead(node: fx.Node) -> list:
 def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M, N: int, K: int) -> None:
     from specfx.kernels import tiled_linear
 
-    x, w = node.args[0], node.args[1]
+    x, w = node.args[0], _stored_weight(node)
     bias = node.args[2] if len(node.args) > 2 else None
     lead = _lead(node)
     with gm.graph.inserting_before(node):
@@ -224,6 +236,8 @@ def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
     rows not static: a prefill)."""
     M = x.meta["val"].shape[0]
     if w.meta["val"].dim() == 2 and not (isinstance(M, int) and M <= MAX_ROWS):
+        if w.meta["val"].dtype != x.meta["val"].dtype:                  # a bfloat16 weight
+            w = insert_call(gm, aten.to.dtype, (w, x.meta["val"].dtype))
         return insert_call(gm, aten.linear.default, (x, w))
     if w.meta["val"].dim() == 2:
         rows = [insert_call(gm, aten.sum.dim_IntList,

@@ -104,11 +104,14 @@ class MTPHead:
     path: str | Path | None = None
     layout: str | None = None        # None: found from the folder (specfx, eagle, eagle3, deepseek-mtp)
     tree: tuple[int, ...] | None = None    # candidates per depth of a spine tree (`runtime.tree.Tree.spine`)
+    weights_dtype: str | None = None       # "bfloat16": the head's weights stored so, for drafting only
     name = "mtp"
 
     def __post_init__(self):
         from specfx.heads import LAYOUTS
 
+        if self.weights_dtype not in (None, "bfloat16"):
+            raise ValueError(f"MTPHead(weights_dtype={self.weights_dtype!r}): expected None (the target's) or 'bfloat16'")
         if self.path is not None and not isinstance(self.path, (str, Path)):
             raise TypeError(f"MTPHead(path): expected a head folder or zoo name, got {type(self.path).__name__}")
         if self.layout is not None and self.layout not in LAYOUTS:
@@ -116,7 +119,8 @@ class MTPHead:
         _check_tree(self)
 
     def __str__(self) -> str:
-        return ("mtp" if self.path is None else f"mtp:{self.path}") + _tree_suffix(self.tree)
+        weights = "" if self.weights_dtype is None else f":weights={self.weights_dtype}"
+        return ("mtp" if self.path is None else f"mtp:{self.path}") + _tree_suffix(self.tree) + weights
 
     def load(self, target):
         """The head module for `target` (refused if it was trained for another target)."""
@@ -161,6 +165,17 @@ def _tree_suffix(tree) -> str:
     return "" if tree is None else ":tree=" + tree_name(tree)
 
 
+def _split_last(spec: str, arg: str, key: str, example: str) -> tuple[str, str | None]:
+    """("pycoder-mtp:tree=2x2", "bfloat16") from "pycoder-mtp:tree=2x2:weights=bfloat16" (key
+    "weights="): an option that goes last, after a colon."""
+    head, sep, value = arg.rpartition(key)
+    if not sep:
+        return arg, None
+    if (head and not head.endswith(":")) or not value or ":" in value:
+        raise ValueError(f"bad draft spec {spec!r}: {key}<value> goes last, after a colon, e.g. {example}")
+    return head[:-1], value
+
+
 def _split_tree(spec: str, arg: str) -> tuple[str, tuple[int, ...] | None]:
     """("pycoder-mtp", (4, 2, 2, 1)) from "pycoder-mtp:tree=4x2x2x1" (or "tree=4x2x2x1")."""
     head, sep, tree = arg.rpartition("tree=") if "tree=" in arg else (arg, "", "")
@@ -196,8 +211,9 @@ def parse_draft(spec) -> DrafterConfig:
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")
         return PromptLookup(ngram=int(arg)) if arg else PromptLookup()
     if name == "mtp":
+        arg, weights = _split_last(spec, arg, "weights=", "mtp:pycoder-mtp:tree=4x2x2x1:weights=bfloat16")
         arg, tree = _split_tree(spec, arg)
-        return MTPHead(arg or None, tree=tree)
+        return MTPHead(arg or None, tree=tree, weights_dtype=weights)
     if name == "draft-model":
         arg, tree = _split_tree(spec, arg)
         if not arg:

@@ -39,6 +39,7 @@ from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, C
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # the tiled kernel's weights (rows: float32)
 _memory: dict[str, dict] = {}
 
 
@@ -63,36 +64,42 @@ class MatmulPlan:
     """`plan(M, N, K) -> Choice`: reduce where the model's linears at M rows ran faster so."""
 
     def __init__(self, weights):
-        self.sets: list[list[torch.Tensor]] = []
+        self.sets: list[tuple[list[torch.Tensor], torch.dtype]] = []
         self.include(weights)
         self.measured: dict[str, dict] = {}
 
-    def include(self, weights) -> None:
-        """Another model's weights (a draft model, a head), measured as a set of their own."""
+    def include(self, weights, rows: torch.dtype | None = None) -> None:
+        """Another model's weights (a draft model, a head), measured as a set of their own, with
+        rows of dtype `rows` (default: the weights'; float32 for a head whose weights are stored
+        in bfloat16 and widened where they are read, `mtp.store_weights`)."""
         ws = [w.detach() for w in weights if w.dim() == 2]
         if ws:
-            self.sets.append(ws)
+            self.sets.append((ws, rows or ws[0].dtype))
 
     def __call__(self, M: int, N: int, K: int) -> Choice:
-        weights = next((ws for ws in self.sets if any(tuple(w.shape) == (N, K) for w in ws)), None)
+        weights, rows = next(((ws, r) for ws, r in self.sets if any(tuple(w.shape) == (N, K) for w in ws)),
+                             (None, None))
         if weights is None:
             return Choice("blas", f"{N}x{K}: not a weight of the measured models")
-        t = self.timing(weights, M)
+        t = self.timing(weights, M, rows)
         times = {k: t[f"{k}_ms"] for k in KERNELS if f"{k}_ms" in t}
         best = min(times, key=times.get)
         took = ", ".join(f"{SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
         return Choice(best, f"M={M}: {t['linears']} linears took {took}: {SHOWN[best]}")
 
-    def timing(self, weights: list[torch.Tensor], M: int) -> dict:
-        """Measured (or remembered) ms of all `weights` at M rows through each kernel."""
+    def timing(self, weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> dict:
+        """Measured (or remembered) ms of all `weights` at M rows (of dtype `rows`, default the
+        weights') through each kernel."""
         shapes = Counter(tuple(w.shape) for w in weights)
         digest = hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:12]
         w0 = weights[0]
-        key = f"{machine()}|{w0.dtype}|{w0.device.type}|M={M}|{digest}|{_kernel_flags()}"
+        rows = rows or w0.dtype
+        stored = "" if rows == w0.dtype else f" rows {rows}"
+        key = f"{machine()}|{w0.dtype}{stored}|{w0.device.type}|M={M}|{digest}|{_kernel_flags()}"
         if key not in self.measured:
             cached = _load().get(key)
             if cached is None:
-                cached = measure(weights, M)
+                cached = measure(weights, M, rows)
                 _store(key, cached)
             self.measured[key] = cached
         return self.measured[key]
@@ -106,7 +113,7 @@ def reduce_form(w: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
 FORMS = {
     "tiled": lambda w, x, M: torch.ops.specfx.tiled_linear(x, w, tiled_linear.VERSION),
     "reduce": lambda w, x, M: reduce_form(w, x, M),
-    "blas": lambda w, x, M: F.linear(x, w),
+    "blas": lambda w, x, M: F.linear(x, w.to(x.dtype)),
 }
 
 
@@ -116,10 +123,11 @@ def _kernel_flags() -> str:
                     + [f"tiled={tiled_linear.VERSION}", f"chain={CHAIN_VERSION}"])
 
 
-def forms(weights: list[torch.Tensor], M: int) -> list[str]:
-    """The kernels worth timing for these weights at M rows (the tiled one: float32 on the CPU,
-    where it compiles; the reduction: up to the rows the pass unrolls, and at one row only where
-    the tiled kernel runs).
+def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> list[str]:
+    """The kernels worth timing for these weights at M rows of dtype `rows` (default: the
+    weights'): the tiled one for float32 rows and float32 or bfloat16 weights on the CPU, where
+    it compiles; the reduction up to the rows the pass unrolls, and at one row only where the
+    tiled kernel runs.
 
     Over several rows the chain times the reduction faster than it runs in a step's graph. On
     pycoder (2 threads, the verify graph alone, the two kernels alternating in one process) it
@@ -127,25 +135,26 @@ def forms(weights: list[torch.Tensor], M: int) -> list[str]:
     had timed it 16% faster at 4 rows and 3% at 3. At one row the reduction fuses with the
     norms around it, and wins in the step as in the chain."""
     w0 = weights[0]
-    tiled = w0.dtype == torch.float32 and w0.device.type == "cpu" and tiled_linear.available()[0]
+    tiled = ((rows or w0.dtype) == torch.float32 and w0.dtype in WEIGHT_DTYPES and w0.device.type == "cpu"
+             and tiled_linear.available()[0])
     reduce = M <= MAX_ROWS and (M == 1 or not tiled)
     return [k for k in KERNELS if (k != "tiled" or tiled) and (k != "reduce" or reduce)]
 
 
-def measure(weights: list[torch.Tensor], M: int) -> dict:
+def measure(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> dict:
     """Median ms of all `weights` at M rows through each kernel of `forms`: `{"linears": n, "<kernel>_ms": ms}`."""
-    times = round_robin(chains(weights, M), REPEATS)
+    times = round_robin(chains(weights, M, rows), REPEATS)
     return {"linears": len(weights), **{f"{name}_ms": s * 1e3 for name, s in times.items()}}
 
 
-def chains(weights: list[torch.Tensor], M: int) -> dict:
+def chains(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> dict:
     """kernel -> a call that runs all `weights` at M rows through it (compiled; see `_chain`)."""
     ks = sorted({w.shape[1] for w in weights})
     w0 = weights[0]
-    xs = {K: torch.randn(M, K, dtype=w0.dtype, device=w0.device) for K in ks}
+    xs = {K: torch.randn(M, K, dtype=rows or w0.dtype, device=w0.device) for K in ks}
     args = [*weights, *(xs[K] for K in ks)]
     out = {}
-    for name in forms(weights, M):
+    for name in forms(weights, M, rows):
         fn = compile_graph(_chain(weights, ks, lambda w, x, form=FORMS[name]: form(w, x, M)), "inductor")
         out[name] = lambda fn=fn: fn(*args)
     return out

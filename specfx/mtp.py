@@ -29,6 +29,7 @@ the target it was trained for (architecture, sizes and a signature of its weight
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specfx import attention
@@ -287,6 +289,31 @@ def load_head(path: str | Path, target: nn.Module) -> nn.Module:
     return head.to(param.device, param.dtype).eval()
 
 
+class StoredLinear(nn.Module):
+    """A linear whose weight is stored in another dtype (a draft's weights at half the bytes)
+    and widened to its input's dtype where it is read: the skinny-matmul pass hands the stored
+    weight to the tiled kernel, which widens it as it loads."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+        self.bias = linear.bias
+        self.out_features, self.in_features = self.weight.shape
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def store_weights(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` with every `nn.Linear` in it a `StoredLinear` of `dtype` (in place)."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, StoredLinear(child, dtype))
+        else:
+            store_weights(child, dtype)
+    return module
+
+
 class StaticHead(nn.Module):
     """The head over its own static KV buffer, sharing the target's embedding and lm_head.
 
@@ -296,9 +323,14 @@ class StaticHead(nn.Module):
     slots up to it.
     """
 
-    def __init__(self, target: nn.Module, head: nn.Module, batch_size: int, max_seq_len: int):
+    def __init__(self, target: nn.Module, head: nn.Module, batch_size: int, max_seq_len: int,
+                 weights_dtype: torch.dtype | None = None):
         super().__init__()
         parts = target_parts(target)
+        if weights_dtype is not None:        # drafting reads its own copy of the target's lm_head
+            store_weights(head, weights_dtype)
+            if isinstance(parts.lm_head, nn.Linear):
+                parts = dataclasses.replace(parts, lm_head=StoredLinear(parts.lm_head, weights_dtype))
         self.embed, self.lm_head, self.rotary, self.head = parts.embed, parts.lm_head, parts.rotary, head
         self.parts = parts    # its modules are the ones registered here
         self.max_seq_len, self.with_logits = max_seq_len, True

@@ -303,10 +303,11 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
     head = ctx.drafter.load(model)
-    if ctx.matmul is not None:
-        ctx.matmul.include(head.parameters())
-    static = StaticHead(model, head, ctx.batch_size, ctx.seq_len)
+    weights = getattr(torch, ctx.drafter.weights_dtype) if ctx.drafter.weights_dtype else None
+    static = StaticHead(model, head, ctx.batch_size, ctx.seq_len, weights_dtype=weights)
     param = next(model.parameters())
+    if ctx.matmul is not None:
+        ctx.matmul.include(static.head.parameters(), rows=param.dtype if weights else None)
     hidden_size, taps = head.hidden_size, head.taps(s.num_layers)
     combiner = head.combiner(target_parts(model))
     layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1), ("ahead", 2)))

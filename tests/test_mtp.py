@@ -80,6 +80,23 @@ def test_greedy_equals_model_generate(tmp_path, arch, k):
         assert_greedy_equal(model, row, hf_greedy(model, row[:, :n], 12), n)
 
 
+def test_a_head_with_bfloat16_weights_drafts_exactly(tmp_path):
+    """`MTPHead(weights_dtype="bfloat16")` keeps the head's weights (and its copy of the lm_head)
+    in bfloat16, for drafting only: the output is still the target's greedy output."""
+    model = tiny_model("llama", layers=3, seed=43)
+    draft = specfx.parse_draft(f"mtp:{_saved(tmp_path, model)}:weights=bfloat16")
+    assert draft.weights_dtype == "bfloat16"
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=64, backend="eager")
+    matrices = {name: t.dtype for name, t in fast.graphs.parts["draft"].named_parameters() if t.dim() == 2}
+    assert [n for n, d in matrices.items() if d != torch.bfloat16] == ["embed.weight"], matrices   # the target's
+    assert "lm_head.weight" in matrices and len(matrices) > 5
+    assert all(p.dtype == torch.float32 for p in model.parameters())           # the target's own stay
+    ids = torch.randint(3, 96, (1, 9))
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)
+    with pytest.raises(ValueError, match="weights_dtype='float16'"):
+        specfx.MTPHead(weights_dtype="float16")
+
+
 def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
     """At k=1 a step at `length` tokens drafts the head's prediction from (t_{length-1},
     h_{length-2}); replaying the greedy output offline (steps start after the prefill's first
@@ -209,10 +226,11 @@ def test_a_head_is_not_a_model():
         zoo.load("pycoder-mtp")
 
 
-def test_mtp_artifact_round_trip(tmp_path):
+@pytest.mark.parametrize("weights_dtype", [None, "bfloat16"])
+def test_mtp_artifact_round_trip(tmp_path, weights_dtype):
     model = tiny_model("qwen2", layers=2, seed=5)
-    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model)), num_speculative_tokens=2,
-                          max_seq_len=48, backend="eager")
+    fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model), weights_dtype=weights_dtype),
+                          num_speculative_tokens=2, max_seq_len=48, backend="eager")
     fast.export(tmp_path / "art", formats=("pt2",))
     loaded = specfx.load(tmp_path / "art")
     # The head's pass before the first step travels with the step (draft 1 of each step reads it).

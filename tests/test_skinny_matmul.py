@@ -74,12 +74,33 @@ def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
     torch.testing.assert_close(_run(stripped, ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_a_weight_stored_in_bfloat16_reaches_the_tiled_kernel_as_stored():
+    """A draft's linears keep bfloat16 weights and widen them where they are read
+    (`mtp.store_weights`): the pass hands the kernel the stored weight, not the widened copy,
+    and export's form widens it again."""
+    from specfx.mtp import store_weights
+
+    model = tiny_model("llama", layers=2)
+    store_weights(model.model.layers, torch.bfloat16)
+    cg = capture(model, width=4, max_seq_len=32)
+    ids, pos = torch.randint(3, 96, (1, 4)), torch.arange(4)[None]
+    ref = _run(cg.gm, ids, pos)
+    res = SkinnyMatmul(TILED)(cg.gm)
+    calls = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.specfx.tiled_linear.default]
+    weights = [n.args[1].meta["val"] for n in calls if n.args[1].meta["val"].dim() == 2]
+    assert [w.dtype for w in weights].count(torch.bfloat16) == 2 * 7 and len(weights) == 15   # the lm_head: float32
+    assert all(n.args[1].op == "get_attr" for n in calls if n.args[1].meta["val"].dtype == torch.bfloat16)
+    torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_run(strip_materialize(res.graph_module), ids, pos), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():
     model = tiny_model("llama", layers=1).to(torch.bfloat16)
     cg = capture(model, width=2, max_seq_len=32)
     res = SkinnyMatmul(TILED)(cg.gm)
     assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
-    assert "not the tiled kernel's case (float32 contiguous weights, rows of at most one size not static, " \
+    assert "not the tiled kernel's case (float32 rows, float32 or bfloat16 contiguous weights, rows of at most " \
+           "one size not static, " \
            "a compiler for it): reduce" in res.reason
 
 
@@ -112,7 +133,7 @@ def test_plan_chooses_the_faster_kernel_and_remembers_it(tmp_path, monkeypatch):
                4: {"linears": 2, "tiled_ms": 1.0, "reduce_ms": 3.0, "blas_ms": 2.0},
                8: {"linears": 2, "reduce_ms": 3.0, "blas_ms": 2.0}}               # no tiled kernel here
     measured = []
-    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M: measured.append(M) or timings[M])
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: measured.append(M) or timings[M])
     weights = [torch.randn(8, 4), torch.randn(4, 8)]
     plan = matmul_choice.MatmulPlan(weights)
     assert plan(1, 8, 4).kernel == "reduce"
@@ -123,7 +144,7 @@ def test_plan_chooses_the_faster_kernel_and_remembers_it(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "matmul.json").read_text())) == 3
     # A new process (empty memory) reads the file instead of measuring again.
     monkeypatch.setattr(matmul_choice, "_memory", {})
-    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M: pytest.fail("measured again"))
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: pytest.fail("measured again"))
     assert matmul_choice.MatmulPlan(weights)(1, 8, 4).kernel == "reduce"
 
 
@@ -132,7 +153,10 @@ def test_measure_times_every_kernel_on_the_models_weights():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     t = matmul_choice.measure(weights, 1)
     assert t["linears"] == 2 and t["tiled_ms"] > 0 and t["reduce_ms"] > 0 and t["blas_ms"] > 0
-    assert matmul_choice.forms([w.bfloat16() for w in weights], 2) == ["reduce", "blas"]
+    assert matmul_choice.forms([w.bfloat16() for w in weights], 2) == ["reduce", "blas"]        # a bfloat16 model
+    stored = [w.bfloat16() for w in weights]                        # a draft's weights stored in bfloat16
+    assert matmul_choice.forms(stored, 2, rows=torch.float32) == ["tiled", "blas"]
+    assert matmul_choice.measure(stored, 2, rows=torch.float32)["tiled_ms"] > 0
     # Over several rows the reduction does not compete with the tiled kernel (see `forms`).
     assert matmul_choice.forms(weights, 2) == ["tiled", "blas"]
     assert matmul_choice.forms(weights, MAX_ROWS + 1) == ["tiled", "blas"]      # past what the rewrite unrolls

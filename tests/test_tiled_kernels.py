@@ -64,6 +64,23 @@ def test_fused_attention_equals_its_torch_form(B, Hkv, G, W, D):
         torch.testing.assert_close(fn(q, kv, vv, bias, torch.empty(L)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_weights_are_widened_as_they_load():
+    """A bfloat16 weight (a draft's, stored at half the bytes) reaches the kernel as stored, not
+    converted to float32 in a kernel before it: the result is float32 rows times the widened
+    weight, over each tile shape, a partial vector (K = 24) and rows past the last block."""
+    from torch._inductor.utils import run_and_get_code
+
+    V = tiled_linear.VERSION
+    w = torch.randn(40, 24).bfloat16()
+    for M in (1, 4, 5):
+        x = torch.randn(M, 24)
+        fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")
+        out, code = run_and_get_code(fn, x, w)
+        torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-5)
+        assert "const uint16_t* W" in "".join(code), "the weight was widened before the kernel"
+    torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, V), x @ w.float().T)            # eager
+
+
 def test_shapes_the_kernels_do_not_take_are_refused():
     V = tiled_linear.VERSION
     fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")

@@ -13,6 +13,7 @@
 #ifndef SPECFX_TILED_LINEAR_H
 #define SPECFX_TILED_LINEAR_H
 #include <cstddef>
+#include <cstdint>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -38,6 +39,31 @@ static inline vf loadu(const float* p) {
   __builtin_memcpy(&v, p, VB);
   return v;
 #endif
+}
+
+// A weight vector: float32 as it is, or bfloat16 (stored as uint16_t: a float's upper 16 bits)
+// widened to float32 on load, so a bfloat16 weight streams half the bytes into the same FMAs.
+static inline vf loadw(const float* p) { return loadu(p); }
+static inline vf loadw(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  vf v;
+  for (int l = 0; l < V; l++) {
+    unsigned bits = (unsigned)p[l] << 16;
+    __builtin_memcpy((char*)&v + 4 * l, &bits, 4);
+  }
+  return v;
+#endif
+}
+static inline float widen(float w) { return w; }
+static inline float widen(uint16_t w) {
+  unsigned bits = (unsigned)w << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
 }
 
 static inline vf fmadd(vf a, vf b, vf c) {
@@ -109,14 +135,14 @@ template <int I, int RN> struct Fma {
   }
 };
 
-template <int RM, int RN>
+template <int RM, int RN, typename TW>
 static inline __attribute__((always_inline)) void step(vf* acc, const float* x, std::size_t sx,
-                                                       const float* w, std::size_t sw) {
+                                                       const TW* w, std::size_t sw) {
   vf xv[RM], wv[RN];
 #pragma GCC unroll 16
   for (int i = 0; i < RM; i++) xv[i] = loadu(x + i * sx);
 #pragma GCC unroll 16
-  for (int j = 0; j < RN; j++) wv[j] = loadu(w + j * sw);
+  for (int j = 0; j < RN; j++) wv[j] = loadw(w + j * sw);
   // Held in registers: left to itself, GCC folds each weight load into every FMA that uses it,
   // loading a weight vector RM times (20 loads for 16 FMAs at RM = 4: load-bound).
 #pragma GCC unroll 16
@@ -128,24 +154,24 @@ static inline __attribute__((always_inline)) void step(vf* acc, const float* x, 
 
 // One weight row j of a tile read front to back into RM accumulators (x[i] . w[j] for i < RM),
 // stored where the tile's reduction expects them (accumulator bitrev(i * RN + j)).
-template <int RM, int RN>
-static inline __attribute__((always_inline)) void row(vf* acc, const float* x, const float* w, int j, int K,
-                                                      const float* pf) {
+template <int RM, int RN, typename TW>
+static inline __attribute__((always_inline)) void row(vf* acc, const float* x, const TW* w, int j, int K,
+                                                      const TW* pf) {
   vf a[RM];
 #pragma GCC unroll 16
   for (int i = 0; i < RM; i++) a[i] = vf{};
-  const float* wj = w + (std::size_t)j * K;
+  const TW* wj = w + (std::size_t)j * K;
   int k = 0;
   for (; k + V <= K; k += V) {
     if (pf) __builtin_prefetch(pf + k, 0, 2);
-    vf wv = loadu(wj + k);
+    vf wv = loadw(wj + k);
     SPECFX_IN_REGISTER(wv);
 #pragma GCC unroll 16
     for (int i = 0; i < RM; i++) a[i] = fmadd(loadu(x + (std::size_t)i * K + k), wv, a[i]);
   }
   if (k < K) {                                  // the last partial vector, zero-padded
     float wt[V] = {}, xt[V] = {};
-    for (int l = k; l < K; l++) wt[l - k] = wj[l];
+    for (int l = k; l < K; l++) wt[l - k] = widen(wj[l]);
     const vf wv = loadu(wt);
     for (int i = 0; i < RM; i++) {
       for (int l = k; l < K; l++) xt[l - k] = x[(std::size_t)i * K + l];
@@ -164,14 +190,14 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // matrices, two threads, in a C++ harness, against side by side for every tile: row by row,
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
-template <int RM, int RN>
-static inline void tile(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                        int K, int N, const float* pf, int pf_rows) {
+template <int RM, int RN, typename TW>
+static inline void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
+                        int K, int N, const TW* pf, int pf_rows) {
   static_assert(RM * RN == V, "one accumulator per output lane");
   vf acc[V];
   if constexpr (RM <= 2) {
 #pragma GCC unroll 16
-    for (int j = 0; j < RN; j++) row<RM, RN>(acc, x, w, j, K, pf && j < pf_rows ? pf + (std::size_t)j * K : nullptr);
+    for (int j = 0; j < RN; j++) row<RM, RN>(acc, x, w, j, K, pf && j < pf_rows ? pf + (std::size_t)j * K : (const TW*)nullptr);
   } else {
 #pragma GCC unroll 16
     for (int a = 0; a < V; a++) acc[a] = vf{};
@@ -189,7 +215,7 @@ static inline void tile(const float* __restrict x, const float* __restrict w, fl
       for (int i = 0; i < RM; i++)
         for (int l = k; l < K; l++) xt[i][l - k] = x[(std::size_t)i * K + l];
       for (int j = 0; j < RN; j++)
-        for (int l = k; l < K; l++) wt[j][l - k] = w[(std::size_t)j * K + l];
+        for (int l = k; l < K; l++) wt[j][l - k] = widen(w[(std::size_t)j * K + l]);
       step<RM, RN>(acc, xt[0], V, wt[0], V);
     }
   }
@@ -206,9 +232,10 @@ static inline void tile(const float* __restrict x, const float* __restrict w, fl
 // in while the later passes compute from the cache: pass p of P prefetches the next block's
 // rows [V p / P, V (p + 1) / P), split among its tiles. (Over pycoder's 85 weight matrices,
 // two threads: 8 and 16 rows 8-14% faster than with all of them issued in the first pass.)
-static inline void block(long M, const float* x, const float* w, float* y, int K, int N, int n, bool prefetch) {
-  const float* wn = w + (std::size_t)n * K;
-  const float* next = wn + (std::size_t)V * K;
+template <typename TW>
+static inline void block(long M, const float* x, const TW* w, float* y, int K, int N, int n, bool prefetch) {
+  const TW* wn = w + (std::size_t)n * K;
+  const TW* next = wn + (std::size_t)V * K;
   const long passes = M / 4 + M % 4 / 2 + M % 2;
   long m = 0, pass = 0;
   // Tile `t` of `tiles` in this pass prefetches the next block's rows [first(t), first(t + 1)).
@@ -216,7 +243,7 @@ static inline void block(long M, const float* x, const float* w, float* y, int K
     const long lo = V * pass / passes, hi = V * (pass + 1) / passes;
     return lo + (hi - lo) * t / tiles;
   };
-  auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : nullptr; };
+  auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : (const TW*)nullptr; };
   auto pf_rows = [&](int t, int tiles) { return (int)(first(t + 1, tiles) - first(t, tiles)); };
   for (; m + 4 <= M; m += 4, pass++)
     for (int t = 0, j = 0; j < V; t++, j += V / 4)
@@ -232,7 +259,8 @@ static inline void block(long M, const float* x, const float* w, float* y, int K
 // Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
 // batches wb apart (a slice of a KV cache: wb is the cache's length times K). Threads split the
 // (batch, block) pairs. M is a constant in a step's graph, a prefill's width in a prefill's.
-static void linear(long M, const float* x, const float* w, float* y, int batches, long N, int K, long wb,
+template <typename TW>
+static void linear(long M, const float* x, const TW* w, float* y, int batches, long N, int K, long wb,
                    int threads) {
   const long blocks = N / V, tasks = batches * blocks;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
@@ -243,9 +271,10 @@ static void linear(long M, const float* x, const float* w, float* y, int batches
   for (int b = 0; b < batches; b++)                 // rows past the last whole block
     for (long n = blocks * V; n < N; n++)
       for (long m = 0; m < M; m++) {
-        const float *xr = x + ((long)b * M + m) * K, *wr = w + b * wb + n * K;
+        const float* xr = x + ((long)b * M + m) * K;
+        const TW* wr = w + b * wb + n * K;
         float s = 0;
-        for (int k = 0; k < K; k++) s += xr[k] * wr[k];
+        for (int k = 0; k < K; k++) s += xr[k] * widen(wr[k]);
         y[((long)b * M + m) * N + n] = s;
       }
 }

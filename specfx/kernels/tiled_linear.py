@@ -24,7 +24,8 @@
   checked once per process). Where it does not, nothing inserts them.
 
 Their last argument is `VERSION`, a hash of the headers and of this module (the lowerings), so
-that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only.
+that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only
+(`tiled_linear` also takes a bfloat16 weight: a draft's weights, stored at half the bytes).
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ _TWO = ["const float* X", "const float* W"]
 
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, version: int) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N]; batched: x [B, M, K], w [B, N, K] -> [B, M, N]."""
-    return F.linear(x, w) if w.dim() == 2 else torch.matmul(x, w.transpose(-1, -2))
+    """x [M, K] @ w[N, K].T -> [M, N]; batched: x [B, M, K], w [B, N, K] -> [B, M, N]. A 2-D
+    weight may be bfloat16 (x and the result stay float32): the kernel widens it as it loads."""
+    if w.dim() == 2:
+        return F.linear(x, w.to(x.dtype))
+    return torch.matmul(x, w.transpose(-1, -2))
 
 
 @tiled_linear.register_fake
@@ -173,7 +177,7 @@ def register() -> None:
         wrapper.define_kernel(name, body, gpu=False, cpp_definition=definition)
         return name
 
-    @lowering.register_lowering(torch.ops.specfx.tiled_linear.default)
+    @lowering.register_lowering(torch.ops.specfx.tiled_linear.default, type_promotion_kind=None)   # w: float32 or bfloat16
     def _lower_linear(x, w, version):
         x = contiguous(x)
         *lead, M, K = x.get_size()
@@ -187,7 +191,8 @@ def register() -> None:
         N, batches = w.get_size()[-2], (int(lead[0]) if lead else 1)
         layout = ir.FixedLayout(x.get_device(), torch.float32, [*lead, M, N])
         call = f"specfx_tiled::linear(M, X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
-        return ir.TensorBox.create(Tiled(layout, [x, w], call, M, N))
+        params = _TWO if w.get_dtype() == torch.float32 else ["const float* X", "const uint16_t* W"]   # bfloat16
+        return ir.TensorBox.create(Tiled(layout, [x, w], call, M, N, params))
 
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
     def _lower_mix(p, v, version):
