@@ -19,8 +19,10 @@ the target it was trained for (architecture, sizes and a signature of its weight
 `load_head` refuses a head trained for another target.
 
 - `new_head(target)`, `load_head(path, target)`, `save_head(head, path, target, info)`;
-- `StaticHead(target, head, batch_size, seq_len)`: the head over its own static KV buffer,
-  `forward(input_ids, hidden, positions) -> (logits, g)`, ready for `torch.export`;
+- `StaticHead(target, head, batch_size, seq_len, weights_dtype=None)`: the head over its own
+  static KV buffer, `forward(input_ids, hidden, positions) -> (logits, g)`, ready for
+  `torch.export`; with `weights_dtype` its linears and its copy of the lm_head keep their
+  weights in that dtype (`store_weights`), read widened (drafting only);
 - `final_hidden(target, input_ids)`: h for every position (tests); `layer_outputs(target,
   input_ids, layers)`: the outputs of the layers a head taps (training);
 - `target_signature(target)`: names, shapes and sampled values of its weights, recorded in
