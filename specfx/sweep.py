@@ -76,10 +76,13 @@ TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
 
 
 def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
-    """`draft` with a tree: "mtp" -> "mtp:tree=4x2x2x1"."""
-    from specfx.drafters import tree_name
+    """`draft` with a tree: "mtp" -> "mtp:tree=4x2x2x1" (its other options kept, in their place:
+    "mtp:pycoder-mtp:weights=bfloat16" -> "mtp:pycoder-mtp:tree=4x2x2x1:weights=bfloat16")."""
+    import dataclasses
 
-    return f"{draft}:tree={tree_name(tree)}"
+    from specfx.drafters import parse_draft
+
+    return str(dataclasses.replace(parse_draft(draft), tree=tree))
 
 
 def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: int = 3, trees=TREES,

@@ -95,6 +95,11 @@ def test_a_head_with_bfloat16_weights_drafts_exactly(tmp_path):
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)
     with pytest.raises(ValueError, match="weights_dtype='float16'"):
         specfx.MTPHead(weights_dtype="float16")
+    # A tree sweep over such a head keeps its weights (the tree goes before them in a spec).
+    from specfx.sweep import tree_spec
+
+    assert tree_spec("mtp:h:weights=bfloat16", (2, 1)) == "mtp:h:tree=2x1:weights=bfloat16"
+    assert specfx.parse_draft(tree_spec("mtp:h:weights=bfloat16", (2, 1))).weights_dtype == "bfloat16"
 
 
 def test_trained_head_drafts_in_the_step_what_it_predicts_offline(tmp_path, trained):
