@@ -130,12 +130,11 @@ def _tiled_fits(node: fx.Node) -> bool:
     """The tiled kernel's case: float32 on the CPU, a contiguous weight, rows whose leading
     dimensions hold at most one symbolic size, and an Inductor here that compiles the kernel (a
     cached or user-supplied choice may name it where it does not)."""
-    from specfx.kernels.tiled_linear import available
+    from specfx.kernels.tiled_linear import WEIGHT_DTYPES, available
 
     x, w = node.args[0].meta["val"], _stored_weight(node).meta["val"]
-    return (x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2
-            and x.device.type == w.device.type == "cpu" and w.is_contiguous() and len(_lead(node)) == x.dim() - 1
-            and available()[0])
+    return (x.dtype == torch.float32 and w.dtype in WEIGHT_DTYPES and x.device.type == w.device.type == "cpu"
+            and w.is_contiguous() and len(_lead(node)) == x.dim() - 1 and available()[0])
 
 
 def _stored_weight(node: fx.Node) -> fx.Node:

@@ -130,10 +130,8 @@ class Drafter(nn.Module):
         (emitted[n] is the next pending token)."""
 
     def prime(self, s: StepInputs) -> None:
-        """Prepare the first step after the prefill and the first token (see `Prime`); only
-        drafters with `primes = True` have this pass."""
-
-    primes = False
+        """Prepare the first step after the prefill and the first token (see `Prime`; default:
+        nothing, and the pipeline builds no prime pass for the drafter)."""
 
 
 class NoDrafter(Drafter):
@@ -268,8 +266,6 @@ class MTPDrafter(Drafter):
     re-runs over the D+1 positions of the accepted path with the target's hidden states, so its
     KV holds what the target saw (the draft passes' entries are overwritten).
     """
-
-    primes = True
 
     def __init__(self, head: fx.GraphModule, refill: fx.GraphModule, tree: Tree, *, taps: int = 1,
                  combine: fx.GraphModule | None = None):

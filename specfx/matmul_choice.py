@@ -39,7 +39,6 @@ from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, C
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # the tiled kernel's weights (rows: float32)
 _memory: dict[str, dict] = {}
 
 
@@ -135,8 +134,8 @@ def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) 
     had timed it 16% faster at 4 rows and 3% at 3. At one row the reduction fuses with the
     norms around it, and wins in the step as in the chain."""
     w0 = weights[0]
-    tiled = ((rows or w0.dtype) == torch.float32 and w0.dtype in WEIGHT_DTYPES and w0.device.type == "cpu"
-             and tiled_linear.available()[0])
+    tiled = ((rows or w0.dtype) == torch.float32 and w0.dtype in tiled_linear.WEIGHT_DTYPES
+             and w0.device.type == "cpu" and tiled_linear.available()[0])
     reduce = M <= MAX_ROWS and (M == 1 or not tiled)
     return [k for k in KERNELS if (k != "tiled" or tiled) and (k != "reduce" or reduce)]
 

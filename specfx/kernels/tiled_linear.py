@@ -41,6 +41,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
 ATTEND_SOURCE = Path(__file__).with_name("tiled_attend.h").read_text()
 VERSION = int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # `tiled_linear`'s 2-D weights (its rows: float32)
 # A kernel's inputs as its C++ parameters (then `float* Y`, `const int64_t M`, `const int64_t N`).
 _TWO = ["const float* X", "const float* W"]
 
