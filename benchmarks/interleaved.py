@@ -8,7 +8,7 @@ round, its ratio to the first method in the same round, and the medians; then wh
 time goes: time to first token, and the steps (milliseconds per step in the generate loop,
 tokens per step), each against the first method's.
 
-    python benchmarks/interleaved.py [--drafts mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 5]
+    python benchmarks/interleaved.py [--drafts mtp,mtp@4,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 5]
                                      [--num-prompts 8] [--json benchmarks/cpu/interleaved.json]
 """
 
@@ -24,10 +24,17 @@ from specfx import zoo
 from specfx.bench import cache_length
 
 
+def compiled(model, spec: str, max_seq_len: int):
+    """specfx.compile for a spec `DRAFT` or `DRAFT@K` (K drafts a step; default the drafter's)."""
+    draft, _, k = spec.partition("@")
+    return specfx.compile(model, draft=draft, num_speculative_tokens=int(k) if k else None, max_seq_len=max_seq_len)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafts", default="mtp,mtp:pycoder-mtp:tree=2x2x2x1,mtp:pycoder-mtp:tree=4x2x2x1,none",
-                    help="drafter specs, comma-separated; the first is the reference")
+                    help="drafter specs, comma-separated, each DRAFT or DRAFT@K (K drafts a step); "
+                         "the first is the reference")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -37,7 +44,7 @@ def main() -> None:
     prompts = [tok(p, return_tensors="pt").input_ids for p in zoo.prompts()[: args.num_prompts]]
     specs = args.drafts.split(",")
     max_seq_len = cache_length(prompts, args.max_new_tokens)
-    fast = {s: specfx.compile(model, draft=s, max_seq_len=max_seq_len) for s in specs}
+    fast = {s: compiled(model, s, max_seq_len) for s in specs}
     for f in fast.values():                                      # warm-up
         for ids in prompts[:2]:
             f.generate(ids, max_new_tokens=args.max_new_tokens)

@@ -97,7 +97,7 @@ class SkinnyMatmul(Pass):
         choice = self.choose(rows, N, K)
         if choice.kernel == "tiled" and not _tiled_fits(node):
             fallback = "reduce" if isinstance(M, int) and M <= MAX_ROWS else "blas"
-            return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 rows, float32 or bfloat16 contiguous weights, "
+            return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 rows, float32, bfloat16 or int8 contiguous weights, "
                                     f"rows of at most one size not static, a compiler for it): {SHOWN[fallback]}")
         if choice.kernel == "reduce" and not (isinstance(M, int) and M <= MAX_ROWS):
             return Choice("blas", f"M={M}: more rows than the rewrite unrolls ({MAX_ROWS}): BLAS")
@@ -138,12 +138,12 @@ def _tiled_fits(node: fx.Node) -> bool:
 
 
 def _stored_weight(node: fx.Node) -> fx.Node:
-    """The linear's weight as stored: a bfloat16 weight widened to float32 where the graph reads it
-    (`w.to(float32)`, a draft's weights kept at half the bytes) is the bfloat16 one, which the
-    tiled kernel widens as it loads; any other weight is itself."""
+    """The linear's weight as stored: a bfloat16 or int8 weight widened to float32 where the graph
+    reads it (`w.to(float32)`, a draft's weights kept at half or a quarter of the bytes) is the
+    stored one, which the tiled kernel widens as it loads; any other weight is itself."""
     w = node.args[1]
     widen = w.op == "call_function" and w.target in (aten.to.dtype, aten._to_copy.default)
-    if widen and w.args[0].meta.get("val") is not None and w.args[0].meta["val"].dtype == torch.bfloat16:
+    if widen and w.args[0].meta.get("val") is not None and w.args[0].meta["val"].dtype in (torch.bfloat16, torch.int8):
         return w.args[0]
     return w
 
@@ -235,7 +235,7 @@ def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
     rows not static: a prefill)."""
     M = x.meta["val"].shape[0]
     if w.meta["val"].dim() == 2 and not (isinstance(M, int) and M <= MAX_ROWS):
-        if w.meta["val"].dtype != x.meta["val"].dtype:                  # a bfloat16 weight
+        if w.meta["val"].dtype != x.meta["val"].dtype:                  # a bfloat16 or int8 weight
             w = insert_call(gm, aten.to.dtype, (w, x.meta["val"].dtype))
         return insert_call(gm, aten.linear.default, (x, w))
     if w.meta["val"].dim() == 2:

@@ -70,7 +70,7 @@ class MatmulPlan:
     def include(self, weights, rows: torch.dtype | None = None) -> None:
         """Another model's weights (a draft model, a head), measured as a set of their own, with
         rows of dtype `rows` (default: the weights'; float32 for a head whose weights are stored
-        in bfloat16 and widened where they are read, `mtp.store_weights`)."""
+        in bfloat16 or int8 and widened where they are read, `mtp.store_weights`)."""
         ws = [w.detach() for w in weights if w.dim() == 2]
         if ws:
             self.sets.append((ws, rows or ws[0].dtype))
@@ -124,7 +124,7 @@ def _kernel_flags() -> str:
 
 def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> list[str]:
     """The kernels worth timing for these weights at M rows of dtype `rows` (default: the
-    weights'): the tiled one for float32 rows and float32 or bfloat16 weights on the CPU, where
+    weights'): the tiled one for float32 rows and float32, bfloat16 or int8 weights on the CPU, where
     it compiles; the reduction up to the rows the pass unrolls, and at one row only where the
     tiled kernel runs.
 

@@ -292,18 +292,31 @@ def load_head(path: str | Path, target: nn.Module) -> nn.Module:
 
 
 class StoredLinear(nn.Module):
-    """A linear whose weight is stored in another dtype (a draft's weights at half the bytes)
-    and widened to its input's dtype where it is read: the skinny-matmul pass hands the stored
-    weight to the tiled kernel, which widens it as it loads."""
+    """A linear whose weight is stored in another dtype (a draft's weights at half or a quarter
+    of the bytes) and widened to its input's dtype where it is read: the skinny-matmul pass hands
+    the stored weight to the tiled kernel, which widens it as it loads.
+
+    bfloat16 keeps the weight rounded; int8 keeps each row as integers in [-127, 127] times the
+    row's scale (its largest magnitude over 127), applied to the product's columns."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+        w = linear.weight.detach()
+        if dtype == torch.int8:
+            scale = w.float().abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+            self.register_buffer("scale", scale.to(w.dtype))
+            w = (w.float() / scale[:, None]).round().clamp(-127, 127)
+        else:
+            self.scale = None
+        self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
         self.bias = linear.bias
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x):
-        return F.linear(x, self.weight.to(x.dtype), self.bias)
+        y = F.linear(x, self.weight.to(x.dtype))
+        if self.scale is not None:
+            y = y * self.scale
+        return y if self.bias is None else y + self.bias
 
 
 def store_weights(module: nn.Module, dtype: torch.dtype) -> nn.Module:

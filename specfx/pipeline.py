@@ -299,11 +299,12 @@ def _build_prompt_lookup(ctx: BuildContext) -> Drafting:
 
 @register(MTPHead)
 def _build_mtp(ctx: BuildContext) -> Drafting:
+    from specfx.kernels import tiled_linear
     from specfx.mtp import Combine, StaticHead, target_parts
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
     head = ctx.drafter.load(model)
-    weights = getattr(torch, ctx.drafter.weights_dtype) if ctx.drafter.weights_dtype else None
+    weights = ctx.drafter.head_weights(model, ctx.matmul is not None and tiled_linear.available()[0])
     static = StaticHead(model, head, ctx.batch_size, ctx.seq_len, weights_dtype=weights)
     param = next(model.parameters())
     if ctx.matmul is not None:

@@ -80,21 +80,24 @@ def test_greedy_equals_model_generate(tmp_path, arch, k):
         assert_greedy_equal(model, row, hf_greedy(model, row[:, :n], 12), n)
 
 
-def test_a_head_with_bfloat16_weights_drafts_exactly(tmp_path):
-    """`MTPHead(weights_dtype="bfloat16")` keeps the head's weights (and its copy of the lm_head)
-    in bfloat16, for drafting only: the output is still the target's greedy output."""
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_a_head_with_stored_weights_drafts_exactly(tmp_path, weights):
+    """`MTPHead(weights_dtype="bfloat16" or "int8")` keeps the head's weights (and its copy of
+    the lm_head) in that dtype, for drafting only: the output is still the target's greedy output."""
     model = tiny_model("llama", layers=3, seed=43)
-    draft = specfx.parse_draft(f"mtp:{_saved(tmp_path, model)}:weights=bfloat16")
-    assert draft.weights_dtype == "bfloat16"
+    draft = specfx.parse_draft(f"mtp:{_saved(tmp_path, model)}:weights={weights}")
+    assert draft.weights_dtype == weights
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=64, backend="eager")
     matrices = {name: t.dtype for name, t in fast.graphs.parts["draft"].named_parameters() if t.dim() == 2}
-    assert [n for n, d in matrices.items() if d != torch.bfloat16] == ["embed.weight"], matrices   # the target's
+    assert [n for n, d in matrices.items() if d != getattr(torch, weights)] == ["embed.weight"], matrices   # the target's
     assert "lm_head.weight" in matrices and len(matrices) > 5
     assert all(p.dtype == torch.float32 for p in model.parameters())           # the target's own stay
     ids = torch.randint(3, 96, (1, 9))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)
     with pytest.raises(ValueError, match="weights_dtype='float16'"):
         specfx.MTPHead(weights_dtype="float16")
+    with pytest.raises(ValueError, match="expected None .* or one of 'target', 'bfloat16', 'int8'"):
+        specfx.parse_draft("mtp:pycoder-mtp:weights=int4")
     # A tree sweep over such a head keeps its weights (the tree goes before them in a spec).
     from specfx.sweep import tree_spec
 
@@ -231,7 +234,38 @@ def test_a_head_is_not_a_model():
         zoo.load("pycoder-mtp")
 
 
-@pytest.mark.parametrize("weights_dtype", [None, "bfloat16"])
+def test_a_head_drafts_from_int8_weights_where_the_tiled_kernel_runs_it():
+    """By default the head's weights are int8 where the few-row kernel drafts (the CPU, a float32
+    target) and the target's elsewhere; a spec names any of them."""
+    model = tiny_model("llama", layers=2)
+    head = specfx.MTPHead()
+    assert head.head_weights(model, tiled=True) == torch.int8
+    assert head.head_weights(model, tiled=False) is None
+    assert head.head_weights(model.to(torch.bfloat16), tiled=True) is None
+    for spec, dtype in (("target", None), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        assert specfx.parse_draft(f"mtp:h:weights={spec}").head_weights(model, tiled=True) == dtype
+
+
+def test_int8_weights_keep_each_row_to_half_a_step_of_its_scale():
+    """`StoredLinear` in int8: each row's integers in [-127, 127] times the row's scale (its largest
+    magnitude over 127) are the float weight to half a step; the product scales the columns."""
+    from specfx.mtp import StoredLinear
+
+    linear = torch.nn.Linear(48, 24, bias=True)
+    with torch.no_grad():
+        linear.weight[3] *= 100                                     # rows of very different ranges
+        linear.weight[5] = 0                                        # and an all-zero row
+    stored = StoredLinear(linear, torch.int8)
+    q, scale = stored.weight.float(), stored.scale
+    assert stored.weight.dtype == torch.int8 and q.abs().max() == 127 and scale.shape == (24,)
+    assert ((q * scale[:, None] - linear.weight).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert torch.equal(q[5], torch.zeros(48))
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(stored(x), x @ (q * scale[:, None]).T + linear.bias)
+    torch.testing.assert_close(stored(x), linear(x), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("weights_dtype", [None, "bfloat16", "int8"])
 def test_mtp_artifact_round_trip(tmp_path, weights_dtype):
     model = tiny_model("qwen2", layers=2, seed=5)
     fast = specfx.compile(model, draft=specfx.MTPHead(_saved(tmp_path, model), weights_dtype=weights_dtype),

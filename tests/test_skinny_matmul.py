@@ -74,22 +74,23 @@ def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
     torch.testing.assert_close(_run(stripped, ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_a_weight_stored_in_bfloat16_reaches_the_tiled_kernel_as_stored():
-    """A draft's linears keep bfloat16 weights and widen them where they are read
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_weight_stored_in_another_dtype_reaches_the_tiled_kernel_as_stored(dtype):
+    """A draft's linears keep bfloat16 or int8 weights and widen them where they are read
     (`mtp.store_weights`): the pass hands the kernel the stored weight, not the widened copy,
     and export's form widens it again."""
     from specfx.mtp import store_weights
 
     model = tiny_model("llama", layers=2)
-    store_weights(model.model.layers, torch.bfloat16)
+    store_weights(model.model.layers, dtype)
     cg = capture(model, width=4, max_seq_len=32)
     ids, pos = torch.randint(3, 96, (1, 4)), torch.arange(4)[None]
     ref = _run(cg.gm, ids, pos)
     res = SkinnyMatmul(TILED)(cg.gm)
     calls = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.specfx.tiled_linear.default]
     weights = [n.args[1].meta["val"] for n in calls if n.args[1].meta["val"].dim() == 2]
-    assert [w.dtype for w in weights].count(torch.bfloat16) == 2 * 7 and len(weights) == 15   # the lm_head: float32
-    assert all(n.args[1].op == "get_attr" for n in calls if n.args[1].meta["val"].dtype == torch.bfloat16)
+    assert [w.dtype for w in weights].count(dtype) == 2 * 7 and len(weights) == 15   # the lm_head: float32
+    assert all(n.args[1].op == "get_attr" for n in calls if n.args[1].meta["val"].dtype == dtype)
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(_run(strip_materialize(res.graph_module), ids, pos), ref, atol=1e-4, rtol=1e-4)
 
@@ -99,7 +100,7 @@ def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():
     cg = capture(model, width=2, max_seq_len=32)
     res = SkinnyMatmul(TILED)(cg.gm)
     assert _count(res.graph_module, torch.ops.specfx.tiled_linear.default) == 0
-    assert "not the tiled kernel's case (float32 rows, float32 or bfloat16 contiguous weights, rows of at most " \
+    assert "not the tiled kernel's case (float32 rows, float32, bfloat16 or int8 contiguous weights, rows of at most " \
            "one size not static, " \
            "a compiler for it): reduce" in res.reason
 

@@ -58,7 +58,21 @@ static inline vf loadw(const uint16_t* p) {
   return v;
 #endif
 }
+// int8 (a draft's weights at a quarter of the bytes, each row scaled after the product: see
+// `mtp.StoredLinear`) widened to float32 on load.
+static inline vf loadw(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  vf v;
+  for (int l = 0; l < V; l++) v[l] = (float)p[l];
+  return v;
+#endif
+}
 static inline float widen(float w) { return w; }
+static inline float widen(int8_t w) { return (float)w; }
 static inline float widen(uint16_t w) {
   unsigned bits = (unsigned)w << 16;
   float f;

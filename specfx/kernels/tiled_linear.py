@@ -25,7 +25,8 @@
 
 Their last argument is `VERSION`, a hash of the headers and of this module (the lowerings), so
 that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only
-(`tiled_linear` also takes a bfloat16 weight: a draft's weights, stored at half the bytes).
+(`tiled_linear` also takes a bfloat16 or int8 weight: a draft's weights, stored at half or a
+quarter of the bytes).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
 ATTEND_SOURCE = Path(__file__).with_name("tiled_attend.h").read_text()
 VERSION = int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)     # `tiled_linear`'s 2-D weights (its rows: float32)
+# `tiled_linear`'s 2-D weights (its rows: float32), as the kernel's C++ parameter.
+WEIGHT_DTYPES = {torch.float32: "const float* W", torch.bfloat16: "const uint16_t* W", torch.int8: "const int8_t* W"}
 # A kernel's inputs as its C++ parameters (then `float* Y`, `const int64_t M`, `const int64_t N`).
 _TWO = ["const float* X", "const float* W"]
 
@@ -49,7 +51,8 @@ _TWO = ["const float* X", "const float* W"]
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, version: int) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N]; batched: x [B, M, K], w [B, N, K] -> [B, M, N]. A 2-D
-    weight may be bfloat16 (x and the result stay float32): the kernel widens it as it loads."""
+    weight may be bfloat16 or int8 (x and the result stay float32): the kernel widens it as it
+    loads."""
     if w.dim() == 2:
         return F.linear(x, w.to(x.dtype))
     return torch.matmul(x, w.transpose(-1, -2))
@@ -178,7 +181,7 @@ def register() -> None:
         wrapper.define_kernel(name, body, gpu=False, cpp_definition=definition)
         return name
 
-    @lowering.register_lowering(torch.ops.specfx.tiled_linear.default, type_promotion_kind=None)   # w: float32 or bfloat16
+    @lowering.register_lowering(torch.ops.specfx.tiled_linear.default, type_promotion_kind=None)   # w as stored
     def _lower_linear(x, w, version):
         x = contiguous(x)
         *lead, M, K = x.get_size()
@@ -192,7 +195,7 @@ def register() -> None:
         N, batches = w.get_size()[-2], (int(lead[0]) if lead else 1)
         layout = ir.FixedLayout(x.get_device(), torch.float32, [*lead, M, N])
         call = f"specfx_tiled::linear(M, X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
-        params = _TWO if w.get_dtype() == torch.float32 else ["const float* X", "const uint16_t* W"]   # bfloat16
+        params = ["const float* X", WEIGHT_DTYPES[w.get_dtype()]]
         return ir.TensorBox.create(Tiled(layout, [x, w], call, M, N, params))
 
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
