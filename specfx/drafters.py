@@ -141,7 +141,7 @@ class MTPHead:
             return None
         if self.weights_dtype is not None:
             return getattr(torch, self.weights_dtype)
-        return torch.int8 if tiled and next(target.parameters()).dtype == torch.float32 else None
+        return draft_weights(target, tiled)
 
     def load(self, target):
         """The head module for `target` (refused if it was trained for another target)."""
@@ -177,6 +177,15 @@ def tree_name(tree: tuple[int, ...]) -> str:
 
 
 HEAD_WEIGHTS = ("target", "bfloat16", "int8")    # an MTP head's `weights_dtype`, None aside
+
+
+def draft_weights(target, tiled: bool):
+    """The dtype a draft-only weight (an MTP head's, early exit's lm_head copy) is stored in by
+    default: int8 where `tiled` (the few-row kernel runs the draft and reads int8 as it is: the CPU)
+    and the target is float32, None (the target's own) elsewhere."""
+    import torch
+
+    return torch.int8 if tiled and next(target.parameters()).dtype == torch.float32 else None
 
 
 def parse_tree(text: str) -> tuple[int, ...] | None:

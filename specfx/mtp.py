@@ -301,14 +301,11 @@ class StoredLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
-        w = linear.weight.detach()
-        if dtype == torch.int8:
-            scale = w.float().abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-            self.register_buffer("scale", scale.to(w.dtype))
-            w = (w.float() / scale[:, None]).round().clamp(-127, 127)
-        else:
-            self.scale = None
-        self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+        from specfx.kernels.tiled_linear import store_rows
+
+        w, scale = store_rows(linear.weight.detach(), dtype)
+        self.register_buffer("scale", scale)
+        self.weight = nn.Parameter(w, requires_grad=False)
         self.bias = linear.bias
         self.out_features, self.in_features = self.weight.shape
 

@@ -18,10 +18,11 @@ from torch import fx, nn
 from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
                             static_positions)
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
-                             default_exit_layer)
+                             default_exit_layer, draft_weights)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
-                           StructureError, StructureMap, TreeAttention, TruncateAtExit, check_exit_layer)
+                           StoreExitHead, StructureError, StructureMap, TreeAttention, TruncateAtExit,
+                           check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
                                  NoDrafter, Prime, SpecStep, trace_step)
@@ -136,6 +137,14 @@ class BuildContext:
         """The passes that end every graph the runtime runs (`buffers`: its KV buffers' names,
         for a graph without a StructureMap)."""
         return tail_passes(self.matmul, buffers)
+
+    def tiled(self) -> bool:
+        """Whether the graphs' few-row linears may run on the tiled kernel (the skinny-matmul
+        pass is on and this Inductor compiles the kernel), which reads int8 and bfloat16 weights
+        as stored."""
+        from specfx.kernels import tiled_linear
+
+        return self.matmul is not None and tiled_linear.available()[0]
 
     @property
     def k(self) -> int:
@@ -280,7 +289,9 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
-    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *ctx.tail()], ctx.target.capture(1), graph="draft")
+    stored = draft_weights(ctx.model, ctx.tiled())          # the exit's lm_head copy, read by drafts only
+    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *([StoreExitHead(stored)] if stored else []),
+                        *ctx.tail()], ctx.target.capture(1), graph="draft")
     verify = ctx.verify([CutAtExit(E)])
     # k drafts and the pass that writes the last one's KV.
     parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
@@ -299,12 +310,11 @@ def _build_prompt_lookup(ctx: BuildContext) -> Drafting:
 
 @register(MTPHead)
 def _build_mtp(ctx: BuildContext) -> Drafting:
-    from specfx.kernels import tiled_linear
     from specfx.mtp import Combine, StaticHead, target_parts
 
     s, k, pm, model = ctx.target.structure, ctx.k, ctx.pm, ctx.model
     head = ctx.drafter.load(model)
-    weights = ctx.drafter.head_weights(model, ctx.matmul is not None and tiled_linear.available()[0])
+    weights = ctx.drafter.head_weights(model, ctx.tiled())
     static = StaticHead(model, head, ctx.batch_size, ctx.seq_len, weights_dtype=weights)
     param = next(model.parameters())
     if ctx.matmul is not None:

@@ -172,3 +172,33 @@ def test_draft_model_identical_to_target_accepts_everything():
     ids = torch.randint(3, 96, (1, 6))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=25, eos_token_id=[]), hf_greedy(model, ids, 25), 6)
     assert fast.last_stats.acceptance_by_position == [1.0] * 4
+
+
+def test_early_exit_drafts_from_an_int8_lm_head_where_the_tiled_kernel_runs():
+    """With the skinny-matmul pass on (the CPU), early exit's drafts read an int8 copy of the
+    lm_head (`store_exit_head`); its layers keep the model's weights, and the output is still
+    the model's greedy output. Where the layers past the exit add nothing, the exit predicts
+    what the model does and drafts are accepted all but always (1.56 tokens a call of 4 when the
+    copy's rows lose their scales: checked by breaking it)."""
+    from specfx.kernels import tiled_linear
+
+    if not tiled_linear.available()[0]:
+        pytest.skip(tiled_linear.available()[1])
+    model = tiny_model("llama", layers=4, seed=21)
+    ids = torch.randint(3, 96, (1, 9))
+
+    def compiled():
+        fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=64,
+                              backend="eager", skinny_matmul=True)
+        stored = {str(t.dtype) for n, t in fast.graphs.parts["draft"].named_buffers() if n.startswith("exit_head")}
+        assert stored == {"torch.int8", "torch.float32"}                    # the rows and their scales
+        return fast
+
+    assert_greedy_equal(model, compiled().generate(ids, max_new_tokens=24, eos_token_id=[]), hf_greedy(model, ids, 24), 9)
+    with torch.no_grad():
+        for layer in model.model.layers[2:]:                  # the late layers' residual updates
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    fast = compiled()
+    assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), hf_greedy(model, ids, 24), 9)
+    assert fast.last_stats.mean_accepted > 3.0               # (4.0 in float32; a near-tie may differ in int8)

@@ -44,6 +44,16 @@ ATTEND_SOURCE = Path(__file__).with_name("tiled_attend.h").read_text()
 VERSION = int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
 # `tiled_linear`'s 2-D weights (its rows: float32), as the kernel's C++ parameter.
 WEIGHT_DTYPES = {torch.float32: "const float* W", torch.bfloat16: "const uint16_t* W", torch.int8: "const int8_t* W"}
+def store_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight [N, K] as `tiled_linear` reads it in `dtype`: (stored, scale). int8 keeps each row
+    as integers in [-127, 127] times the row's scale (its largest magnitude over 127; scale [N],
+    in w's dtype, multiplies the product's columns); bfloat16 rounds it (scale None)."""
+    if dtype != torch.int8:
+        return w.to(dtype), None
+    scale = w.float().abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(dtype), scale.to(w.dtype)
+
+
 # A kernel's inputs as its C++ parameters (then `float* Y`, `const int64_t M`, `const int64_t N`).
 _TWO = ["const float* X", "const float* W"]
 

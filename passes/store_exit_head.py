@@ -1,0 +1,67 @@
+"""store_exit_head: the draft graph's exit head reads its weights at fewer bytes (drafting only)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from specfx.passes.graph_utils import finish, insert_call
+from specfx.passes.infra import Pass, PassOrderError, PassResult
+
+aten = torch.ops.aten
+
+
+class StoreExitHead(Pass):
+    """Draft graph: the exit head's linears read their own copy of their weights in int8 or bfloat16."""
+
+    def __init__(self, dtype: torch.dtype = torch.int8):
+        self.dtype = dtype
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if gm.meta.get("outputs") != ["exit_logits", "exit_hidden"]:
+            raise PassOrderError("not a draft graph: run attach_early_exit and truncate_at_exit first")
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """Each linear of the exit head (the lm_head's copy, `gm.meta["exit_head"]`) over a weight
+        W becomes linear(x, stored.to(W's dtype)) * scale (+ bias), stored and scale from
+        `tiled_linear.store_rows`: the skinny-matmul pass hands `stored` to the tiled kernel,
+        which widens it as it loads. The layers before the exit keep their weights: their KV and
+        the exit's hidden state feed the verify pass. Only the drafts can change."""
+        from specfx.kernels.tiled_linear import store_rows
+
+        head = set(gm.meta.get("exit_head", ()))
+        linears = [n for n in gm.graph.nodes if n.name in head and n.op == "call_function"
+                   and n.target is aten.linear.default and n.args[1].op == "get_attr"]
+        if not linears:
+            return PassResult(gm, False, "the exit head has no linear over a weight of the model")
+        for i, node in enumerate(linears):
+            w = node.args[1]
+            stored, scale = store_rows(functools.reduce(getattr, w.target.split("."), gm).detach(), self.dtype)
+            with gm.graph.inserting_before(node):
+                read = insert_call(gm, aten.to.dtype, (_constant(gm, f"exit_head_{i}_stored", stored, w),
+                                                      w.meta["val"].dtype))
+            bias = node.args[2] if len(node.args) > 2 else None
+            node.args = (node.args[0], read)
+            out = node
+            users = list(node.users)
+            with gm.graph.inserting_before(node.next):        # in order, after the linear
+                if scale is not None:
+                    out = insert_call(gm, aten.mul.Tensor, (out, _constant(gm, f"exit_head_{i}_scale", scale, w)))
+                if bias is not None:
+                    out = insert_call(gm, aten.add.Tensor, (out, bias))
+            for user in users:
+                user.replace_input_with(node, out)
+        return PassResult(finish(gm), True, info={"stored": len(linears), "dtype": str(self.dtype).removeprefix("torch.")})
+
+
+def _constant(gm: fx.GraphModule, name: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
+    """A buffer of `gm` read by a new get_attr node, its `meta["val"]` a fake tensor in the
+    graph's fake mode (as `like`'s)."""
+    gm.register_buffer(name, value)
+    node = gm.graph.get_attr(name)
+    mode = detect_fake_mode([like.meta["val"]])
+    node.meta["val"] = mode.from_tensor(value) if mode is not None else value
+    return node
