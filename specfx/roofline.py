@@ -15,7 +15,11 @@ time the machine needs to stream those bytes. `roofline(model, ...)` measures
   read: every weight matrix, the embedding rows and the live KV cache of a `context`-token
   sequence;
 - each step's time (its graph alone, as `SpeculativeModel.profile` times it) and achieved GB/s,
-  and that as a fraction of the probe.
+  and that as a fraction of the probe;
+- on the CPU, the machine's float32 **FMA peak** (`fma_peak` in `kernels/tiled_linear.h`: both
+  threads multiply-adding in registers, nothing read from memory) and each step's GFLOP/s
+  against it (two per weight per row): a step over many rows (a verify pass over a draft tree)
+  runs out of FMAs before it runs out of bytes.
 
 Probes and steps are timed together, round-robin (`matmul_choice.round_robin`, median of
 `REPEATS` rounds): on a shared or virtual machine the speed drifts by a third between phases,
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import fx
 
+from specfx.kernels import tiled_linear
 from specfx.matmul_choice import round_robin
 from specfx.runtime.compile import CPU_INDUCTOR
 
@@ -43,10 +48,15 @@ class StepRoof:
     weight_bytes: int
     kv_bytes: int
     ms: float
+    flops: int = 0                           # two per weight per row (a multiply-add)
 
     @property
     def gbps(self) -> float:
         return (self.weight_bytes + self.kv_bytes) / self.ms / 1e6
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.ms / 1e6
 
 
 @dataclass
@@ -56,15 +66,18 @@ class Roofline:
     context: int
     probes: dict[str, float]                 # probe -> GB/s
     steps: list[StepRoof] = field(default_factory=list)
+    fma_gflops: float | None = None          # the FMA peak (CPU only)
 
     @property
     def probe_gbps(self) -> float:
         return max(self.probes.values())
 
     def to_dict(self) -> dict:
+        peak = self.fma_gflops
         return {"device": self.device, "threads": self.threads, "context": self.context, "probes_gbps": self.probes,
-                "probe_gbps": self.probe_gbps,
-                "steps": [{**asdict(s), "gbps": s.gbps, "fraction_of_probe": s.gbps / self.probe_gbps}
+                "probe_gbps": self.probe_gbps, "fma_peak_gflops": peak,
+                "steps": [{**asdict(s), "gbps": s.gbps, "fraction_of_probe": s.gbps / self.probe_gbps,
+                           "gflops": s.gflops, "fraction_of_fma_peak": s.gflops / peak if peak else None}
                           for s in self.steps]}
 
 
@@ -84,7 +97,6 @@ def linear_weights(model) -> list[torch.Tensor]:
 
 def probes(weights: list[torch.Tensor]) -> dict:
     """probe name -> a call that reads these weights' bytes (see the module docstring)."""
-    from specfx.kernels import tiled_linear
     from specfx.matmul_choice import chains
     from specfx.runtime.compile import compile_graph
 
@@ -135,6 +147,9 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
     widths += [("verify", "ngram:3", r) for r in sorted(set(verify_rows) - {k + 1})]
     calls = probes(weights)
     probe_names = list(calls)
+    fma_flops = None
+    if device.type == "cpu" and tiled_linear.available()[0]:
+        calls["fma peak"], fma_flops = tiled_linear.fma_peak()
     steps = []                                                        # (key in calls, name, rows)
     for i, (name, draft, rows) in enumerate(widths):
         fast = specfx.compile(model, draft=draft, num_speculative_tokens=max(1, rows - 1), max_seq_len=max_seq_len)
@@ -148,10 +163,12 @@ def roofline(model, *, context: int = 200, k: int = 3, max_seq_len: int = 1024,
         calls[steps[-1][0]] = rt.part_call(rt.verify_part)
     times = round_robin(calls, REPEATS)
     result = Roofline(str(device), torch.get_num_threads(), context,
-                      {name: wbytes / times[name] / 1e9 for name in probe_names})
+                      {name: wbytes / times[name] / 1e9 for name in probe_names},
+                      fma_gflops=fma_flops / times["fma peak"] / 1e9 if fma_flops else None)
     for key, name, rows in steps:
         row_bytes = rows * emb.shape[1] * emb.element_size()
-        result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), times[key] * 1e3))
+        result.steps.append(StepRoof(name, rows, wbytes + row_bytes, kv_bytes(model, context), times[key] * 1e3,
+                                     flops=2 * rows * sum(w.numel() for w in weights)))
     return result
 
 
@@ -159,13 +176,19 @@ def render(r: Roofline):
     from rich.table import Table
 
     t = Table(title=f"roofline on {r.device} ({r.threads} threads), context {r.context} tokens")
-    for col in ("", "rows", "weights MB", "live KV MB", "ms", "GB/s", "of probe"):
+    peak = r.fma_gflops
+    cols = ("", "rows", "weights MB", "live KV MB", "ms", "GB/s", "of probe") + (("GFLOP/s", "of FMA peak") if peak else ())
+    for col in cols:
         t.add_column(col, justify="left" if not col else "right")
     for name, gbps in r.probes.items():
-        t.add_row(f"probe: {name}", "1", "", "", "", f"{gbps:.1f}", "best" if gbps == r.probe_gbps else "")
+        t.add_row(f"probe: {name}", "1", "", "", "", f"{gbps:.1f}", "best" if gbps == r.probe_gbps else "",
+                  *(("", "") if peak else ()))
+    if peak:
+        t.add_row("probe: FMA peak", "", "", "", "", "", "", f"{peak:.1f}", "best")
     for s in r.steps:
         t.add_row(f"{s.name} step", str(s.rows), f"{s.weight_bytes / 1e6:.1f}", f"{s.kv_bytes / 1e6:.2f}",
-                  f"{s.ms:.3f}", f"{s.gbps:.1f}", f"{s.gbps / r.probe_gbps:.0%}")
+                  f"{s.ms:.3f}", f"{s.gbps:.1f}", f"{s.gbps / r.probe_gbps:.0%}",
+                  *((f"{s.gflops:.1f}", f"{s.gflops / peak:.0%}") if peak else ()))
     return t
 
 

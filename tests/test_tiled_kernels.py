@@ -92,6 +92,22 @@ def test_shapes_the_kernels_do_not_take_are_refused():
         fn(x, w)
 
 
+def test_the_fma_probe_runs_the_multiply_adds_it_counts():
+    """The roofline's compute probe (`fma_peak`): each accumulator lane runs acc = 0.999 acc + 1e-4
+    `iters` times, which settles at 0.1, so the sum over every lane of every thread says how many
+    lanes it ran; its flop count is two per lane per round; the table shows each step against it."""
+    from specfx.roofline import Roofline, StepRoof, render
+
+    iters = 20_000
+    fn, flops = tiled_linear.fma_peak(iters)
+    lanes = flops / (2 * iters)                                    # accumulators x lanes x threads
+    assert lanes % 12 == 0 and fn() == pytest.approx(0.1 * lanes, rel=1e-3)
+    r = Roofline("cpu", 2, 200, {"flat": 50.0}, [StepRoof("verify", 8, 10**8, 0, 2.0, flops=2 * 8 * 25 * 10**6)],
+                 fma_gflops=100.0)
+    assert r.steps[0].gflops == pytest.approx(200.0) and r.to_dict()["steps"][0]["fraction_of_fma_peak"] == 2.0
+    assert render(r).columns[-1].header == "of FMA peak"
+
+
 def test_the_roofline_stream_sums_what_torch_sums():
     """The roofline's hand-written stream (`stream_sum`): every element once, whole chunks of
     eight vectors and a tail, and a clear error for what it does not read."""

@@ -361,5 +361,33 @@ static float stream_sum(const float* p, long n, int threads) {
   return total;
 }
 
+// `iters` rounds of FMAs into A independent accumulators a thread (enough to cover the FMA
+// units' latency), nothing read from memory: each thread does iters * A * V multiply-adds. Not
+// part of any step: the roofline's probe of the machine's float32 FMA rate, the ceiling of a
+// step whose rows make it compute-bound (a verify pass over many rows).
+constexpr int FMA_ACCUMULATORS = 12;
+static float fma_peak(long iters, int threads) {
+  constexpr int A = FMA_ACCUMULATORS;
+  float total = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+  for (int t = 0; t < threads; t++) {
+    vf acc[A];
+    for (int j = 0; j < A; j++) acc[j] = vf{} + 1e-3f * (j + 1);
+    vf a = vf{} + 0.999f, b = vf{} + 1e-4f;
+    SPECFX_IN_REGISTER(a);
+    SPECFX_IN_REGISTER(b);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 12
+      for (int j = 0; j < A; j++) {
+        acc[j] = fmadd(acc[j], a, b);
+        SPECFX_IN_REGISTER(acc[j]);
+      }
+    }
+    for (int j = 0; j < A; j++)
+      for (int l = 0; l < V; l++) total += acc[j][l];
+  }
+  return total;
+}
+
 }  // namespace specfx_tiled
 #endif

@@ -18,7 +18,8 @@
   the span (N, L) are passed at each call, so one compiled graph serves every span, and a
   prefill's graph every width.
 - `stream_sum()`: the header's plain streaming sum as a call on a float32 CPU tensor (the
-  roofline's probe of the machine's memory speed; no step uses it).
+  roofline's probe of the machine's memory speed; no step uses it); `fma_peak()`: register-only
+  multiply-adds on every thread (its probe of the machine's float32 compute).
 - `register()` gives Inductor the lowerings (`runtime.compile` calls it before compiling);
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
@@ -268,18 +269,30 @@ def available() -> tuple[bool, str]:
 
 
 @cache
-def stream_sum():
-    """A call `f(t) -> float` that sums a contiguous float32 CPU tensor with the header's
-    `stream_sum`, on Inductor's thread count at the call. Compiled (once per process) by
-    Inductor's C++ code cache, with the flags of the kernels it compiles into a graph."""
+def _probes():
+    """The header's probes (`stream_sum`, `fma_peak`) as ctypes calls, compiled once per process
+    by Inductor's C++ code cache with the flags of the kernels it compiles into a graph."""
     from torch._inductor.codecache import CppCodeCache
-    from torch._inductor.utils import parallel_num_threads
 
     lib = CppCodeCache.load(f"{SOURCE}\n"
                             'extern "C" float specfx_stream_sum(const float* p, long n, int threads)\n'
-                            "{ return specfx_tiled::stream_sum(p, n, threads); }\n")
-    fn = lib.specfx_stream_sum
-    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+                            "{ return specfx_tiled::stream_sum(p, n, threads); }\n"
+                            'extern "C" float specfx_fma_peak(long iters, int threads)\n'
+                            "{ return specfx_tiled::fma_peak(iters, threads); }\n"
+                            'extern "C" int specfx_fma_lanes()\n'
+                            "{ return specfx_tiled::FMA_ACCUMULATORS * specfx_tiled::V; }\n")
+    lib.specfx_stream_sum.restype = lib.specfx_fma_peak.restype = ctypes.c_float
+    lib.specfx_stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    lib.specfx_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]
+    return lib
+
+
+def stream_sum():
+    """A call `f(t) -> float` that sums a contiguous float32 CPU tensor with the header's
+    `stream_sum`, on Inductor's thread count at the call."""
+    from torch._inductor.utils import parallel_num_threads
+
+    fn = _probes().specfx_stream_sum
 
     def call(t: torch.Tensor) -> float:
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
@@ -287,3 +300,14 @@ def stream_sum():
         return fn(t.data_ptr(), t.numel(), parallel_num_threads())
 
     return call
+
+
+def fma_peak(iters: int = 100_000):
+    """(`f() -> float`, flops): a call that runs the header's `fma_peak` (`iters` rounds of
+    register-only FMAs on Inductor's thread count) and the float32 operations it performs (a
+    multiply-add counts two)."""
+    from torch._inductor.utils import parallel_num_threads
+
+    lib, threads = _probes(), parallel_num_threads()
+    flops = 2 * iters * lib.specfx_fma_lanes() * threads            # accumulators x lanes a thread
+    return (lambda: lib.specfx_fma_peak(iters, threads)), flops
