@@ -43,10 +43,10 @@ from specfx.mtp import layer_outputs, new_head, target_parts
 class MTPTrainConfig:
     """What `specfx train mtp` runs; the defaults reproduce the shipped `pycoder-mtp`."""
 
-    steps: int = 1200
+    steps: int = 5000
     batch_size: int = 8
     seq_len: int = 256
-    windows: int = 2048              # windows of target hidden states precomputed and reused
+    windows: int = 12288             # windows of target hidden states precomputed and reused
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
@@ -56,7 +56,7 @@ class MTPTrainConfig:
     bf16: bool = True                # CPU autocast for the head's forward/backward
     arch: str = "specfx"             # the head's layout, one of specfx.heads.LAYOUTS
     draft_vocab: int | None = None   # eagle3 only: draft vocabulary size (None: the target's)
-    chain_weight: float = 0.0        # weight of the second draft's cross-entropy (`head_loss`)
+    chain_weight: float = 0.5        # weight of the second draft's cross-entropy (`head_loss`)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 3 or self.windows < 1:

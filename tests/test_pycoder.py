@@ -11,7 +11,7 @@ from specfx import zoo
 
 pytestmark = pytest.mark.slow
 
-FLOORS = {"mtp": 2.2, "mtp:pycoder-mtp:weights=int8": 2.2, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
+FLOORS = {"mtp": 2.5, "mtp:pycoder-mtp:weights=int8": 2.5, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
 
 
 def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, pycoder_references):
@@ -38,7 +38,8 @@ def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, pycoder_re
         accepted += fast.last_stats.mean_accepted * fast.last_stats.target_calls
     # Exactness cannot catch a broken drafter (verification repairs every wrong draft); these
     # floors can: tokens per target call over the prompts, measured at 32 new tokens each
-    # (2.69, 2.35 and 1.40 when written; the head with int8 weights: 2.68, against 2.70).
+    # (2.69, 2.35 and 1.40 when written; the head's 2.70 is 2.98 since its retraining, 2.97 with int8
+    # weights).
     assert accepted / calls > FLOORS[draft], (draft, accepted / calls)
 
 

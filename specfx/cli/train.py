@@ -28,7 +28,8 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output directory (HF checkpoint), or the .jsonl for prompts")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train one)")
     p.add_argument("--target", default=None, help="mtp only: the zoo model or checkpoint the head drafts for")
-    p.add_argument("--windows", type=int, default=2048, help="mtp only: windows of target hidden states to precompute")
+    p.add_argument("--windows", type=int, default=None,
+                   help="mtp only: windows of target hidden states to precompute (default: the shipped head's)")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="mtp only: evaluation prompts over which the head's acceptance is measured")
     p.add_argument("--arch", choices=LAYOUTS, default="specfx",
@@ -45,11 +46,11 @@ def add_parser(sub):
     p.add_argument("--regression-weight", type=float, default=0.5, help="mtp only: weight of the feature regression")
     p.add_argument("--chain-weight", type=float, default=None,
                    help="mtp only: weight of a second draft's cross-entropy, the head reading its own output "
-                        "(EAGLE-3's training-time test; default 1 for --arch eagle3, else 0)")
+                        "(EAGLE-3's training-time test; default 1 for --arch eagle3, else the shipped head's)")
     p.add_argument("--teacher", default=None, help="draft only: distill from this target directory")
     p.add_argument("--task", choices=["completion", "editing"], default="completion",
                    help="prompts only: which evaluation set to cut")
-    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1200; mtp: the shipped head's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16; mtp 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; mtp 1e-3)")
@@ -77,21 +78,25 @@ def run(args) -> int:
         Console().print(f"wrote {n} prompts to {args.out}")
         return 0
     if args.kind == "mtp":
+        from specfx.mtp_train import MTPTrainConfig
         from specfx.zoo.build import build_mtp
 
         if not args.target:
             raise ValueError("specfx train mtp needs --target (a zoo model or checkpoint directory)")
-        info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps,
-                         batch_size=args.batch_size or 8, seq_len=args.seq_len, lr=args.lr or 1e-3,
-                         windows=args.windows, regression_weight=args.regression_weight, seed=args.seed,
-                         num_prompts=args.eval_prompts, arch=args.arch, draft_vocab=args.draft_vocab,
-                         chain_weight=args.chain_weight if args.chain_weight is not None else
-                         float(args.arch == "eagle3"))
+        shipped = MTPTrainConfig()
+        chain = args.chain_weight
+        if chain is None:
+            chain = 1.0 if args.arch == "eagle3" else shipped.chain_weight
+        info = build_mtp(args.target, args.out, threads=args.threads, steps=args.steps or shipped.steps,
+                         batch_size=args.batch_size or shipped.batch_size, seq_len=args.seq_len,
+                         lr=args.lr or shipped.lr, windows=args.windows or shipped.windows,
+                         regression_weight=args.regression_weight, seed=args.seed, num_prompts=args.eval_prompts,
+                         arch=args.arch, draft_vocab=args.draft_vocab, chain_weight=chain)
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(
         args.kind, args.out, tokenizer=args.tokenizer, teacher=args.teacher, threads=args.threads,
-        steps=args.steps, batch_size=args.batch_size or 16, seq_len=args.seq_len, lr=args.lr or 2e-3,
+        steps=args.steps or 1200, batch_size=args.batch_size or 16, seq_len=args.seq_len, lr=args.lr or 2e-3,
         p_max=args.p_max, exit_every=args.exit_every, seed=args.seed, model_overrides=args.model,
     )
     Console().print_json(json.dumps(info["heldout"]))

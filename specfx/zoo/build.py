@@ -262,7 +262,9 @@ own lm_head (the embedding, final norm and lm_head are the target's and are not 
         "deepseek-mtp": f"""DeepSeek-V3 MTP: `eh_proj[RMSNorm(emb(t_(i+1))); RMSNorm(norm(h_i))]` -> one `{target}`
 decoder layer -> RMSNorm -> the target's own lm_head (the embedding and lm_head are the target's).""",
     }[arch]
-    arch_flag = "" if arch == "specfx" else f" --arch {arch}"
+    arch_flag = ("" if arch == "specfx" else f" --arch {arch}") + f" --steps {cfg['steps']} --windows {cfg['windows']}"
+    if cfg.get("chain_weight"):
+        arch_flag += f" --chain-weight {cfg['chain_weight']}"
     chain = (f" + {cfg['chain_weight']} x the cross-entropy of a second draft reading the head's own output"
              if cfg.get("chain_weight") else "")
     return f"""# {name}
