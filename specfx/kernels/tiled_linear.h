@@ -376,13 +376,9 @@ static float fma_peak(long iters, int threads) {
     vf a = vf{} + 0.999f, b = vf{} + 1e-4f;
     SPECFX_IN_REGISTER(a);
     SPECFX_IN_REGISTER(b);
-    for (long i = 0; i < iters; i++) {
-#pragma GCC unroll 12
-      for (int j = 0; j < A; j++) {
-        acc[j] = fmadd(acc[j], a, b);
-        SPECFX_IN_REGISTER(acc[j]);
-      }
-    }
+    for (long i = 0; i < iters; i++)             // (an empty asm on each FMA here would cut the
+#pragma GCC unroll 12                              // rate by three: it serializes them)
+      for (int j = 0; j < A; j++) acc[j] = fmadd(acc[j], a, b);
     for (int j = 0; j < A; j++)
       for (int l = 0; l < V; l++) total += acc[j][l];
   }
