@@ -15,14 +15,14 @@ from specfx.passes.infra import (REGISTRY, Pass, PassError, PassManager, PassOrd
 from specfx.passes.inline_graph_calls import InlineGraphCalls
 from specfx.passes.share_kv_buffers import ShareKVBuffers
 from specfx.passes.skinny_matmul import Choice, SkinnyMatmul
-from specfx.passes.store_exit_head import StoreExitHead
+from specfx.passes.store_draft_weights import StoreDraftWeights
 from specfx.passes.tree_attention import TreeAttention
 from specfx.passes.truncate_at_exit import TruncateAtExit
 
 __all__ = [
     "AttachEarlyExit", "CheckNoHostSync", "Choice", "CutAtExit", "DropHead", "ExposeHidden", "FindStructure",
     "InlineGraphCalls", "Pass", "PassError", "PassManager", "PassOrderError", "PassRecord", "PassResult", "REGISTRY",
-    "ShareKVBuffers", "SkinnyMatmul", "StoreExitHead", "StructureError", "StructureMap", "TreeAttention", "TruncateAtExit",
+    "ShareKVBuffers", "SkinnyMatmul", "StoreDraftWeights", "StructureError", "StructureMap", "TreeAttention", "TruncateAtExit",
     "check_exit_layer",
     "find_host_syncs", "find_structure", "structure_of",
 ]

@@ -37,7 +37,6 @@ class AttachEarlyExit(Pass):
         set_outputs(gm, outs + [exit_logits, exit_hidden])
         gm.meta["exit_logits"], gm.meta["exit_hidden"] = exit_logits.name, exit_hidden.name
         gm.meta["exit_layer"] = self.exit_layer
-        gm.meta["exit_head"] = [env[n].name for n in head]
         return PassResult(finish(gm), True, info={"copied": len(head)})
 
 

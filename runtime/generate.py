@@ -273,8 +273,9 @@ class Runtime:
         """Median seconds per step spent drafting and verifying, each graph compiled alone.
 
         Drafting is every call of the drafter's graphs in one step (`Graphs.draft_calls`: for
-        early exit and a draft model k+1 calls, the last writing the last draft's KV; for an
-        MTP head k - 1 drafts and one refill, which yields the next step's first draft); prompt
+        early exit on the model's own weights and a draft model k+1 calls, the last writing the
+        last draft's KV; early exit on stored weights k; for an MTP head k - 1 drafts and one
+        refill, which yields the next step's first draft); prompt
         lookup has no draft graph (its n-gram match is a few tensor ops). Verifying is one call
         of the verify graph (or, without a drafter, the decode graph).
         """
@@ -285,7 +286,7 @@ class Runtime:
             call = self.part_call(name, exit_hidden)
             self.draft_s += _median_time(call, repeats, self.device) * calls
             if name == "draft":
-                exit_hidden = call()[-1]                              # early exit: feeds verify
+                exit_hidden = call()[-1]              # early exit on the model's weights: feeds verify
         self.verify_s = _median_time(self.part_call(self.verify_part, exit_hidden), repeats, self.device)
         return self.draft_s, self.verify_s
 

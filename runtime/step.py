@@ -14,7 +14,7 @@ inlines them into one flat graph.
 The drafters (each declares the KV groups its graphs read, see `runtime.state.KVLayout`):
 - `NoDrafter`: no drafts; the step is plain decoding, one token per step.
 - `EarlyExitDrafter`: k early-exit drafts; the verify graph is layers >= E fed with the drafts'
-  exit hidden states.
+  exit hidden states, or every layer where the drafts ran a stored copy of the weights.
 - `LookupDrafter`: k drafts copied from an earlier n-gram match in the token buffer.
 - `DraftModelDrafter`: k drafts from a separate draft model advancing in unison with the target
   (same positions and lengths, its own KV), then its catch-up pass over the last draft.
@@ -144,20 +144,23 @@ class NoDrafter(Drafter):
 
 
 class EarlyExitDrafter(Drafter):
-    """k drafts from the first E layers and the head attached there (KV group "early"); the
-    verify graph runs layers >= E (group "late") over the drafts' exit hidden states."""
+    """k drafts from the first E layers and the head attached there (KV group "early").
 
-    verify_kv = ("late",)
+    `reuse`: the drafts ran the model's own weights, so their KV and exit hidden states are the
+    model's; one more pass computes draft k's, and the verify graph runs layers >= E (group
+    "late") over the exit hidden states. Otherwise (a stored copy of the weights) k passes, and
+    the verify graph runs every layer over the drafts' tokens, writing the model's KV over the
+    drafts' in group "early"."""
 
-    def __init__(self, draft: fx.GraphModule, k: int):
+    def __init__(self, draft: fx.GraphModule, k: int, reuse: bool = True):
         super().__init__()
-        self.draft, self.tree = draft, Tree.chain(k)
+        self.draft, self.tree, self.reuse = draft, Tree.chain(k), reuse
+        self.verify_kv = ("late",) if reuse else ("early", "late")
 
     def propose(self, s: StepInputs) -> Proposal:
         k, x = self.tree.size, s.pending
         hidden, drafts, qs = [], [], []
-        # k+1 draft passes: the last one only computes the exit hidden state of draft k.
-        for j in range(k + 1):
+        for j in range(k + 1 if self.reuse else k):
             pos = (s.last + j).clamp(max=s.max_pos)[:, None]          # [B, 1]
             out = self.draft(x, pos, s.span, *s.group("early"))
             hidden.append(out[1])                                     # [B, 1, H]
@@ -165,7 +168,8 @@ class EarlyExitDrafter(Drafter):
                 x, q = propose(out[0][:, -1], s.sample, s.noise[:, j], s.warping)   # [B, 1], [B, V]
                 drafts.append(x)
                 qs.append(q)
-        return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None, torch.cat(hidden, 1))
+        return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None,
+                        torch.cat(hidden, 1) if self.reuse else None)
 
 
 class LookupDrafter(Drafter):

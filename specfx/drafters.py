@@ -1,6 +1,6 @@
 """Drafter configurations: validated dataclasses, and the string forms the CLI accepts.
 
-`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)`; `"ngram:3"` -> `PromptLookup(ngram=3)`;
+`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)` (`"early-exit:4:weights=target"`: on the model's own weights); `"ngram:3"` -> `PromptLookup(ngram=3)`;
 `"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"mtp:pycoder-mtp"` -> `MTPHead("pycoder-mtp")`;
 `"mtp:pycoder-mtp:tree=4x2x2x1"` -> `MTPHead("pycoder-mtp", tree=(4, 2, 2, 1))` (a draft tree, also for a draft model);
 `"none"` or None -> `NoDraft()`.
@@ -25,20 +25,39 @@ class NoDraft:
 
 @dataclass(frozen=True)
 class EarlyExit:
-    """LayerSkip self-speculation: draft with the first `layer` layers and the shared head.
+    """Self-speculation: draft with the first `layer` layers of the model and its head.
 
     `layer=None` means the model's default exit layer (see `default_exit_layer`).
+    `weights_dtype` picks how the drafts run those layers (see `draft_weights`):
+
+    - "target": on the model's own weights, as LayerSkip does. The drafts' KV and exit hidden
+      states are the model's, so the verify pass continues from the exit: it runs layers > E
+      over the pending token and the drafts;
+    - "int8" or "bfloat16": on a copy of those layers' and the head's weights stored at fewer
+      bytes (drafting only). The drafts write their KV into the model's cache for layers < E,
+      and the verify pass runs every layer over the pending token and the drafts, writing the
+      model's own KV over theirs: the output stays the model's. This wins where a pass over a
+      few rows costs about one over a single row (the CPU's tiled kernel), so that drafting,
+      not verifying, is what speculation pays for;
+    - None: int8 where the tiled kernel drafts a float32 model, "target" elsewhere.
     """
 
     layer: int | None = None
+    weights_dtype: str | None = None
     name = "early-exit"
 
     def __post_init__(self):
         if self.layer is not None and (not isinstance(self.layer, int) or self.layer < 1):
             raise ValueError(f"EarlyExit(layer={self.layer!r}): the exit layer must be an int >= 1")
+        _check_weights(self)
 
     def __str__(self) -> str:
-        return "early-exit" if self.layer is None else f"early-exit:{self.layer}"
+        return ("early-exit" if self.layer is None else f"early-exit:{self.layer}") + _weights_suffix(self)
+
+    def draft_weights(self, target, tiled: bool):
+        """The dtype the drafts' copy of the first layers and the head is stored in; None: the
+        drafts run the model's own weights and the verify pass continues from the exit."""
+        return _weights(self, target, tiled)
 
 
 @dataclass(frozen=True)
@@ -110,9 +129,7 @@ class MTPHead:
     def __post_init__(self):
         from specfx.heads import LAYOUTS
 
-        if self.weights_dtype not in (None, *HEAD_WEIGHTS):
-            raise ValueError(f"MTPHead(weights_dtype={self.weights_dtype!r}): expected None (int8 where the "
-                             f"tiled kernel drafts, else the target's) or one of {', '.join(map(repr, HEAD_WEIGHTS))}")
+        _check_weights(self)
         if self.path is not None and not isinstance(self.path, (str, Path)):
             raise TypeError(f"MTPHead(path): expected a head folder or zoo name, got {type(self.path).__name__}")
         if self.layout is not None and self.layout not in LAYOUTS:
@@ -120,8 +137,7 @@ class MTPHead:
         _check_tree(self)
 
     def __str__(self) -> str:
-        weights = "" if self.weights_dtype is None else f":weights={self.weights_dtype}"
-        return ("mtp" if self.path is None else f"mtp:{self.path}") + _tree_suffix(self.tree) + weights
+        return ("mtp" if self.path is None else f"mtp:{self.path}") + _tree_suffix(self.tree) + _weights_suffix(self)
 
     def head_weights(self, target, tiled: bool):
         """The dtype the head's weights (and its copy of the target's lm_head) are stored in for
@@ -135,13 +151,7 @@ class MTPHead:
         `benchmarks/cpu/interleaved_int8.json`) the MTP step took 2.087 ms in the generate loop
         with int8 head weights and 2.436 with the target's float32, against 1.475 for plain
         decoding; 3.15 tokens a call either way."""
-        import torch
-
-        if self.weights_dtype == "target":
-            return None
-        if self.weights_dtype is not None:
-            return getattr(torch, self.weights_dtype)
-        return draft_weights(target, tiled)
+        return _weights(self, target, tiled)
 
     def load(self, target):
         """The head module for `target` (refused if it was trained for another target)."""
@@ -176,11 +186,33 @@ def tree_name(tree: tuple[int, ...]) -> str:
     return "x".join(map(str, tree))
 
 
-HEAD_WEIGHTS = ("target", "bfloat16", "int8")    # an MTP head's `weights_dtype`, None aside
+DRAFT_WEIGHTS = ("target", "bfloat16", "int8")    # a drafter's `weights_dtype`, None aside
+
+
+def _check_weights(config) -> None:
+    if config.weights_dtype not in (None, *DRAFT_WEIGHTS):
+        raise ValueError(f"{type(config).__name__}(weights_dtype={config.weights_dtype!r}): expected None (int8 "
+                         f"where the tiled kernel drafts, else the target's) or one of {', '.join(map(repr, DRAFT_WEIGHTS))}")
+
+
+def _weights_suffix(config) -> str:
+    return "" if config.weights_dtype is None else f":weights={config.weights_dtype}"
+
+
+def _weights(config, target, tiled: bool):
+    """The torch dtype named by `config.weights_dtype` (None for "target"), or `draft_weights`'s
+    default when it names none."""
+    import torch
+
+    if config.weights_dtype == "target":
+        return None
+    if config.weights_dtype is not None:
+        return getattr(torch, config.weights_dtype)
+    return draft_weights(target, tiled)
 
 
 def draft_weights(target, tiled: bool):
-    """The dtype a draft-only weight (an MTP head's, early exit's lm_head copy) is stored in by
+    """The dtype a draft-only weight (an MTP head's, early exit's copy of its layers) is stored in by
     default: int8 where `tiled` (the few-row kernel runs the draft and reads int8 as it is: the CPU)
     and the target is float32, None (the target's own) elsewhere."""
     import torch
@@ -234,11 +266,10 @@ def parse_draft(spec) -> DrafterConfig:
     if name == "none" and not arg:
         return NoDraft()
     if name == "early-exit":
-        if not arg:
-            return EarlyExit()
-        if not arg.isdigit():
+        arg, weights = _split_last(spec, arg, "weights=", "early-exit:3:weights=int8")
+        if arg and not arg.isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected early-exit:<layer>, e.g. early-exit:4")
-        return EarlyExit(layer=int(arg))
+        return EarlyExit(layer=int(arg) if arg else None, weights_dtype=weights)
     if name == "ngram":
         if arg and not arg.lstrip("-").isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")

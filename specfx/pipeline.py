@@ -21,7 +21,7 @@ from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLook
                              default_exit_layer, draft_weights)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
-                           StoreExitHead, StructureError, StructureMap, TreeAttention, TruncateAtExit,
+                           StoreDraftWeights, StructureError, StructureMap, TreeAttention, TruncateAtExit,
                            check_exit_layer)
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
@@ -289,13 +289,20 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     s, E, k, pm = ctx.target.structure, ctx.drafter.layer, ctx.k, ctx.pm
     check_exit_layer(s, E)
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
-    stored = draft_weights(ctx.model, ctx.tiled())          # the exit's lm_head copy, read by drafts only
-    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *([StoreExitHead(stored)] if stored else []),
+    stored = ctx.drafter.draft_weights(ctx.model, ctx.tiled())
+    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else []),
                         *ctx.tail()], ctx.target.capture(1), graph="draft")
-    verify = ctx.verify([CutAtExit(E)])
-    # k drafts and the pass that writes the last one's KV.
-    parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
-    return Drafting(layout, parts, _spec_step(ctx, lambda: EarlyExitDrafter(draft, k), verify, layout),
+    if stored is None:
+        # The drafts' KV and exit states are the model's: k drafts and the pass that computes the
+        # last one's, then the verify pass runs layers >= E over them.
+        verify = ctx.verify([CutAtExit(E)])
+        parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
+    else:
+        # The drafts ran a stored copy of the layers: the verify pass runs every layer.
+        verify = ctx.verify()
+        parts = {"draft": Part(draft, ("early",), draft_calls=k), "verify": Part(verify, ("early", "late"))}
+    make = lambda: EarlyExitDrafter(draft, k, reuse=stored is None)  # noqa: E731
+    return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
                     [ctx.target_prefill(layout, "early", "late")])
 
 
@@ -391,7 +398,7 @@ def resolve_drafter(model, drafter):
     """Fill in model defaults (the exit layer, an MTP head's tree: `config.specfx_exit_layer`,
     `config.specfx_mtp_tree`, set by the sweeps) so the config names what will run."""
     if isinstance(drafter, EarlyExit) and drafter.layer is None:
-        return EarlyExit(layer=default_exit_layer(model))
+        return dataclasses.replace(drafter, layer=default_exit_layer(model))
     tree = getattr(model.config, "specfx_mtp_tree", None)
     if isinstance(drafter, MTPHead) and drafter.tree is None and tree:
         return dataclasses.replace(drafter, tree=tuple(tree))

@@ -6,10 +6,13 @@ accepted (one run at the largest k: `a_i(E)` = P(the first i drafts are accepted
 predicts tokens per second with the expected-tokens form of Leviathan et al.'s speedup:
 
     tokens per step  T(E, k) = 1 + sum_{i<=k} a_i(E)
-    step time        t(E, k) = (k+1) * draft(E) + verify(E, k)
+    step time        t(E, k) = calls(k) * draft(E) + verify(E, k)
     speedup vs none          = T(E, k) * decode / t(E, k)
 
-where `decode` is one plain decoding step. The best pair is then checked with a real run.
+where `decode` is one plain decoding step and calls(k) the draft passes of a step (k + 1 on the
+model's own weights, k on a stored copy: `EarlyExit`). Acceptance is measured with the drafts
+the timed graphs make (on the CPU, from the int8 copy). The best pair is then checked with a
+real run.
 
 `sweep_tree` does the same over draft-tree shapes of one drafter (an MTP head by default): the
 measured tokens per target call of each shape (greedy, on the prompts), its draft and verify
@@ -55,7 +58,7 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     result.decode_ms = base.profile()[1] * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
     for E in layers:
-        acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len)
+        acc = _acceptance(model, E, max(ks), encoded, max_new_tokens, max_seq_len, backend)
         for k in ks:
             draft_s, verify_s = _profiled(model, f"early-exit:{E}", k, encoded[0], max_seq_len, backend).profile()
             tokens = 1 + sum(acc[:k])
@@ -164,12 +167,14 @@ def _profiled(model, draft, k, prompt, max_seq_len, backend):
     return fast
 
 
-def _acceptance(model, E, k, encoded, max_new_tokens, max_seq_len) -> list[float]:
-    """P(first i drafts accepted), i = 1..k, over the prompts (eager: same tokens, no compile)."""
+def _acceptance(model, E, k, encoded, max_new_tokens, max_seq_len, backend) -> list[float]:
+    """P(first i drafts accepted), i = 1..k, over the prompts (eager: same tokens, no compile;
+    the drafts `backend`'s build makes, as `_profiled`'s)."""
     import specfx
+    from specfx.api import skinny_default
 
-    fast = specfx.compile(model, draft=f"early-exit:{E}", num_speculative_tokens=k,
-                          max_seq_len=max_seq_len, backend="eager")
+    fast = specfx.compile(model, draft=f"early-exit:{E}", num_speculative_tokens=k, max_seq_len=max_seq_len,
+                          backend="eager", skinny_matmul=skinny_default(model, backend))
     hist = torch.zeros(k + 1, dtype=torch.long)
     for ids in encoded:
         fast.generate(ids, max_new_tokens=max_new_tokens)

@@ -158,7 +158,7 @@ def test_inspect_reports_structure_passes_and_a_clean_step(checkpoint, tmp_path,
                "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "StructureMap" in text and "cut_at_exit" in text and "def forward" in text
+    assert "StructureMap" in text and "store_draft_weights" in text and "def forward" in text
     data = json.loads(out.read_text())
     assert {"structure", "passes", "step"} <= set(data)
     assert data["structure"]["num_layers"] == 4
@@ -168,9 +168,12 @@ def test_inspect_reports_structure_passes_and_a_clean_step(checkpoint, tmp_path,
     skinny = [p for p in rewrites if p["name"] == "skinny_matmul"]
     assert skinny and all(p["reason"].startswith(("rewrote", "kept")) and "BLAS" in p["reason"] for p in skinny)
     rewrites = [p for p in rewrites if p["name"] != "skinny_matmul"]
-    # (and the exit's lm_head copy in int8, which the tiled kernel reads as stored)
-    assert {p["name"] for p in rewrites} == {"attach_early_exit", "truncate_at_exit", "store_exit_head", "cut_at_exit",
+    # (and the drafts' copy of the layers before the exit and the lm_head in int8, which the tiled
+    # kernel reads as stored; the verify pass then runs every layer: the only cut is the first
+    # token's, after the last layer)
+    assert {p["name"] for p in rewrites} == {"attach_early_exit", "truncate_at_exit", "store_draft_weights", "cut_at_exit",
                                              "drop_head", "share_kv_buffers", "inline_graph_calls", "tree_attention"}
+    assert [p["graph"] for p in data["passes"] if p["name"] == "cut_at_exit"] == ["first"]
     assert all(p["modified"] for p in rewrites)
     for p in data["passes"]:
         assert set(p) >= {"name", "kind", "modified", "reason", "nodes_added", "nodes_removed", "ms"}
@@ -230,7 +233,7 @@ def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
     for name, gm in fast.graphs.parts.items():
         gm.forward = delayed(gm.forward, VERIFY if name in ("verify", "decode") else DRAFT)
     draft_s, verify_s = fast.profile(repeats=3)
-    calls = sum(fast.graphs.draft_calls.values())         # k + 1 for early exit and the draft model
+    calls = sum(fast.graphs.draft_calls.values())         # k + 1 for early exit (eager: the model's weights) and the draft model
     assert calls == (4 if draft in ("early-exit:2", "draft-model:pycoder-draft") else 0)
     assert verify_s >= VERIFY
     assert calls * DRAFT <= draft_s < VERIFY

@@ -10,9 +10,11 @@ import torch
 import specfx
 from helpers import ARCHS, RecordingStreamer, assert_greedy_equal, hf_greedy, tiny_model, unpadded
 
-# k = 1, a middle k and k + 1 = 7 > the prompt; exits at every inner layer of the 4.
+# k = 1, a middle k and k + 1 = 7 > the prompt; exits at every inner layer of the 4, drafting on
+# the model's weights (the verify pass continues from the exit) and on an int8 copy of them (it
+# runs every layer).
 CASES = ([("none", 1)] + [(f"early-exit:{E}", k) for E, k in [(1, 1), (3, 3), (2, 6)]]
-         + [("ngram:3", 4), ("ngram:1", 2)])
+         + [("early-exit:2:weights=int8", 3), ("ngram:3", 4), ("ngram:1", 2)])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -174,12 +176,12 @@ def test_draft_model_identical_to_target_accepts_everything():
     assert fast.last_stats.acceptance_by_position == [1.0] * 4
 
 
-def test_early_exit_drafts_from_an_int8_lm_head_where_the_tiled_kernel_runs():
-    """With the skinny-matmul pass on (the CPU), early exit's drafts read an int8 copy of the
-    lm_head (`store_exit_head`); its layers keep the model's weights, and the output is still
-    the model's greedy output. Where the layers past the exit add nothing, the exit predicts
-    what the model does and drafts are accepted all but always (1.56 tokens a call of 4 when the
-    copy's rows lose their scales: checked by breaking it)."""
+def test_early_exit_drafts_from_int8_layers_where_the_tiled_kernel_runs():
+    """With the skinny-matmul pass on (the CPU), early exit drafts on an int8 copy of the layers
+    before the exit and of the lm_head (`store_draft_weights`), and the verify pass runs every
+    layer; the output is still the model's greedy output. Where the layers past the exit add
+    nothing, the exit predicts what the model does and drafts are accepted all but always (1.0
+    tokens a call of 4 when the copy's rows lose their scales: checked by breaking it)."""
     from specfx.kernels import tiled_linear
 
     if not tiled_linear.available()[0]:
@@ -190,8 +192,9 @@ def test_early_exit_drafts_from_an_int8_lm_head_where_the_tiled_kernel_runs():
     def compiled():
         fast = specfx.compile(model, draft="early-exit:2", num_speculative_tokens=3, max_seq_len=64,
                               backend="eager", skinny_matmul=True)
-        stored = {str(t.dtype) for n, t in fast.graphs.parts["draft"].named_buffers() if n.startswith("exit_head")}
+        stored = {str(t.dtype) for n, t in fast.graphs.parts["draft"].named_buffers() if n.startswith("draft_weight")}
         assert stored == {"torch.int8", "torch.float32"}                    # the rows and their scales
+        assert fast.graphs.draft_calls == {"draft": 3}                      # k: the verify runs every layer
         return fast
 
     assert_greedy_equal(model, compiled().generate(ids, max_new_tokens=24, eos_token_id=[]), hf_greedy(model, ids, 24), 9)

@@ -19,7 +19,8 @@ import specfx
 from helpers import FAMILIES, REFUSED, assert_greedy_equal, family_model, hf_greedy
 from specfx.mtp import new_head, save_head
 
-DRAFTERS = ("none", "early-exit:1", "early-exit:2", "ngram:2", "draft-model", "mtp")
+# early-exit:2 drafts on an int8 copy of its layers (as on the CPU by default), early-exit:1 on the model's.
+DRAFTERS = ("none", "early-exit:1", "early-exit:2:weights=int8", "ngram:2", "draft-model", "mtp")
 ALL = os.environ.get("SPECFX_ALL_FAMILIES") == "1"
 PROMPT, NEW = 10, 40     # 50 positions: well past a window of 16
 # Family x drafter pairs refused at compile time, and the words of the refusal.

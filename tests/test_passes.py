@@ -81,33 +81,42 @@ def test_truncate_at_exit(setup):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
-def test_store_exit_head(setup, dtype):
-    """The draft graph's exit lm_head reads its own int8 (or bfloat16) copy, widened where read
-    (and scaled by row, for int8); the layers before the exit keep the model's weights, so the
-    exit hidden state and the KV are exactly as before, and the logits within the rounding."""
+def test_store_draft_weights(setup, dtype):
+    """Every linear of the draft graph (the layers before the exit and the lm_head's copy) reads
+    its own int8 (or bfloat16) copy of its weight, widened where read (and scaled by row, for
+    int8): the draft graph computes what the model computes with those weights, and no longer
+    reads the model's own."""
+    import copy
+
     from specfx.kernels.tiled_linear import store_rows
-    from specfx.passes import StoreExitHead
+    from specfx.passes import StoreDraftWeights
 
     model, ids, pos, hf = setup
     E = 2
     with pytest.raises(PassOrderError, match="run attach_early_exit and truncate_at_exit first"):
-        StoreExitHead(dtype)(AttachEarlyExit(E)(capture(model, width=W, max_seq_len=S).gm).graph_module)
+        StoreDraftWeights(dtype)(AttachEarlyExit(E)(capture(model, width=W, max_seq_len=S).gm).graph_module)
     gm = TruncateAtExit(E)(AttachEarlyExit(E)(capture(model, width=W, max_seq_len=S).gm).graph_module).graph_module
     before = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    res = StoreExitHead(dtype)(gm)
-    assert res.modified and res.info["stored"] == 1
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and (name == "lm_head" or int(name.split(".")[2]) < E)}
+    res = StoreDraftWeights(dtype)(gm)
+    assert res.modified and res.info["stored"] == len(linears) == 7 * E + 1
     g = res.graph_module
+    read = {n.target for n in g.graph.nodes if n.op == "get_attr"}
+    assert not {f"model.{name}.weight" for name in linears} & read                     # read by none
     stored = [n for n in g.graph.nodes if n.op == "get_attr" and n.target not in before]
-    assert [str(n.meta["val"].dtype) for n in stored] == [str(dtype)] + (["torch.float32"] if dtype == torch.int8 else [])
-    assert "model.lm_head.weight" not in {n.target for n in g.graph.nodes if n.op == "get_attr"}   # read by none
+    assert {str(n.meta["val"].dtype) for n in stored} == {str(dtype)} | ({"torch.float32"} if dtype == torch.int8 else set())
+    like = copy.deepcopy(model)                              # the model with the stored weights, widened
     with torch.no_grad():
+        for name in linears:
+            lin = like.get_submodule(name)
+            q, scale = store_rows(lin.weight, dtype)
+            lin.weight.copy_(q.float() * (scale[:, None] if scale is not None else 1))
+        want = like(ids, output_hidden_states=True).hidden_states[E]
         exit_logits, exit_hidden = g(ids, pos, span(S))
-        q, scale = store_rows(model.lm_head.weight, dtype)
-        w = q.float() * (scale[:, None] if scale is not None else 1)
-        want = model.model.norm(hf.hidden_states[E]) @ w.T
-    torch.testing.assert_close(exit_hidden, hf.hidden_states[E], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(exit_logits, want, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(exit_logits, _head(model, hf.hidden_states[E]))
+    torch.testing.assert_close(exit_hidden, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(exit_logits, _head(like, want), atol=1e-4, rtol=1e-4)
+    assert not torch.equal(exit_hidden, hf.hidden_states[E])     # not the model's own
 
 
 def test_pass_order_is_checked(setup):

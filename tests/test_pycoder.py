@@ -11,7 +11,8 @@ from specfx import zoo
 
 pytestmark = pytest.mark.slow
 
-FLOORS = {"mtp": 2.5, "mtp:pycoder-mtp:weights=int8": 2.5, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25}
+FLOORS = {"mtp": 2.5, "mtp:pycoder-mtp:weights=int8": 2.5, "draft-model:pycoder-draft": 1.9, "ngram:3": 1.25,
+          "early-exit:weights=int8": 1.9}
 
 
 def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, pycoder_references):
@@ -22,12 +23,13 @@ def test_early_exit_is_exact_on_every_evaluation_prompt(pycoder, pycoder_referen
     for ids, ref in pycoder_references:
         assert_greedy_equal(model, fast.generate(ids, max_new_tokens=32), ref, ids.shape[1])
         accepted.append(fast.last_stats.mean_accepted)
-    # LayerSkip training makes even the first layer's exit a useful draft: drafts are accepted
-    # (one token per call would mean none ever is).
-    assert sum(accepted) / len(accepted) > 1.3
+    # LayerSkip training makes an early layer's exit a useful draft: drafts are accepted (one
+    # token per call would mean none ever is; 2.26 at the default exit 3 with k=3 when written).
+    assert sum(accepted) / len(accepted) > 1.9
 
 
-@pytest.mark.parametrize("draft", ["mtp", "mtp:pycoder-mtp:weights=int8", "draft-model:pycoder-draft", "ngram:3"])
+@pytest.mark.parametrize("draft", ["mtp", "mtp:pycoder-mtp:weights=int8", "draft-model:pycoder-draft", "ngram:3",
+                                   "early-exit:weights=int8"])
 def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, pycoder_references, draft):
     model, _ = pycoder
     fast = specfx.compile(model, draft=draft, max_seq_len=320, backend="eager")
@@ -39,7 +41,7 @@ def test_other_drafters_are_exact_on_every_evaluation_prompt(pycoder, pycoder_re
     # Exactness cannot catch a broken drafter (verification repairs every wrong draft); these
     # floors can: tokens per target call over the prompts, measured at 32 new tokens each
     # (2.69, 2.35 and 1.40 when written; the head's 2.70 is 2.98 since its retraining, 2.97 with int8
-    # weights).
+    # weights; early exit on an int8 copy of its layers 2.27).
     assert accepted / calls > FLOORS[draft], (draft, accepted / calls)
 
 

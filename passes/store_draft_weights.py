@@ -1,4 +1,4 @@
-"""store_exit_head: the draft graph's exit head reads its weights at fewer bytes (drafting only)."""
+"""store_draft_weights: the early-exit draft graph reads its weights at fewer bytes (drafting only)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from specfx.passes.infra import Pass, PassOrderError, PassResult
 aten = torch.ops.aten
 
 
-class StoreExitHead(Pass):
-    """Draft graph: the exit head's linears read their own copy of their weights in int8 or bfloat16."""
+class StoreDraftWeights(Pass):
+    """Draft graph: every linear (the layers before the exit and the head) reads its own copy of
+    its weight in int8 or bfloat16."""
 
     def __init__(self, dtype: torch.dtype = torch.int8):
         self.dtype = dtype
@@ -25,23 +26,23 @@ class StoreExitHead(Pass):
             raise PassOrderError("not a draft graph: run attach_early_exit and truncate_at_exit first")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """Each linear of the exit head (the lm_head's copy, `gm.meta["exit_head"]`) over a weight
-        W becomes linear(x, stored.to(W's dtype)) * scale (+ bias), stored and scale from
-        `tiled_linear.store_rows`: the skinny-matmul pass hands `stored` to the tiled kernel,
-        which widens it as it loads. The layers before the exit keep their weights: their KV and
-        the exit's hidden state feed the verify pass. Only the drafts can change."""
+        """Each linear over a weight W of the model becomes linear(x, stored.to(W's dtype)) *
+        scale (+ bias), stored and scale from `tiled_linear.store_rows`: the skinny-matmul pass
+        hands `stored` to the tiled kernel, which widens it as it loads. The drafts' KV and exit
+        hidden states are then not the model's: the verify pass must run every layer over the
+        drafts (`EarlyExit`, weights stored), writing the model's KV over the drafts'. Only the
+        drafts can change."""
         from specfx.kernels.tiled_linear import store_rows
 
-        head = set(gm.meta.get("exit_head", ()))
-        linears = [n for n in gm.graph.nodes if n.name in head and n.op == "call_function"
+        linears = [n for n in gm.graph.nodes if n.op == "call_function"
                    and n.target is aten.linear.default and n.args[1].op == "get_attr"]
         if not linears:
-            return PassResult(gm, False, "the exit head has no linear over a weight of the model")
+            return PassResult(gm, False, "the draft graph has no linear over a weight of the model")
         for i, node in enumerate(linears):
             w = node.args[1]
             stored, scale = store_rows(functools.reduce(getattr, w.target.split("."), gm).detach(), self.dtype)
             with gm.graph.inserting_before(node):
-                read = insert_call(gm, aten.to.dtype, (_constant(gm, f"exit_head_{i}_stored", stored, w),
+                read = insert_call(gm, aten.to.dtype, (_constant(gm, f"draft_weight_{i}_stored", stored, w),
                                                       w.meta["val"].dtype))
             bias = node.args[2] if len(node.args) > 2 else None
             node.args = (node.args[0], read)
@@ -49,7 +50,7 @@ class StoreExitHead(Pass):
             users = list(node.users)
             with gm.graph.inserting_before(node.next):        # in order, after the linear
                 if scale is not None:
-                    out = insert_call(gm, aten.mul.Tensor, (out, _constant(gm, f"exit_head_{i}_scale", scale, w)))
+                    out = insert_call(gm, aten.mul.Tensor, (out, _constant(gm, f"draft_weight_{i}_scale", scale, w)))
                 if bias is not None:
                     out = insert_call(gm, aten.add.Tensor, (out, bias))
             for user in users:
