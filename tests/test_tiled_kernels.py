@@ -13,12 +13,13 @@ pytestmark = pytest.mark.skipif(not tiled_linear.available()[0], reason=tiled_li
 
 def test_rows_that_vary_per_call_through_one_compiled_graph():
     """A prefill's width is symbolic: one graph serves every row count, each tile shape (4, 2
-    and 1 rows) and a partial block of weight rows (N = 40 is two blocks of 16 and 8 more)."""
+    and 1 rows, and 3 rows left over as a padded tile of 4) and a partial block of weight rows
+    (N = 40 is two blocks of 16 and 8 more)."""
     V = tiled_linear.VERSION
     fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor",
                        dynamic={"x": (0,)})
     w = torch.randn(40, 24)
-    for M in (64, 7, 2, 1, 33):
+    for M in (64, 7, 2, 1, 33, 3, 11):
         x = torch.randn(M, 24)
         torch.testing.assert_close(fn(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
 

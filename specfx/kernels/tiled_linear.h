@@ -12,8 +12,11 @@
 // (a prefill's width) and N (a span of cached keys) may vary per call.
 #ifndef SPECFX_TILED_LINEAR_H
 #define SPECFX_TILED_LINEAR_H
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -28,6 +31,13 @@ constexpr int VB = 32;
 typedef float vf __attribute__((vector_size(VB), aligned(4)));
 typedef int vi __attribute__((vector_size(VB)));
 constexpr int V = VB / 4;
+
+// The query rows `linear` hands to `block`: 3 left over after the tiles of 4 become one more
+// tile of 4 (the third repeated), which reads each weight vector once for them where a tile of 2
+// and one of 1 read it twice. (pycoder's 85 weight matrices at 3 rows, two threads, round-robin
+// against 4 rows: 1.528 ms -> 1.444, where 4 rows took 1.421 and 1.429. Two rows left over stay
+// a tile of 2, row by row: padded to 4 they ran 1.419 ms against 1.369.)
+static inline long padded(long M) { return M % 4 == 3 ? M + 1 : M; }
 
 static inline vf loadu(const float* p) {
 #if defined(__AVX512F__)
@@ -206,7 +216,7 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // 4 rows 0-5% and 8 rows 20-40% slower.)
 template <int RM, int RN, typename TW>
 static inline void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
-                        int K, int N, const TW* pf, int pf_rows) {
+                        int K, int N, const TW* pf, int pf_rows, int rows = RM) {
   static_assert(RM * RN == V, "one accumulator per output lane");
   vf acc[V];
   if constexpr (RM <= 2) {
@@ -236,21 +246,25 @@ static inline void tile(const float* __restrict x, const TW* __restrict w, float
   vf r = reduce<V / 2, 0, 1>(acc);
 #pragma GCC unroll 16
   for (int i = 0; i < RM; i++)
+    if (i < rows)                                 // the first `rows` of y (a padded tile's)
 #pragma GCC unroll 16
-    for (int j = 0; j < RN; j++) y[(std::size_t)i * N + j] = r[i * RN + j];
+      for (int j = 0; j < RN; j++) y[(std::size_t)i * N + j] = r[i * RN + j];
 }
 
-// V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1.
-// (M is a constant where the caller's is, once inlined.) With `prefetch`, the next block's rows
-// are prefetched spread over all the passes (one per tile of query rows), so that they stream
-// in while the later passes compute from the cache: pass p of P prefetches the next block's
-// rows [V p / P, V (p + 1) / P), split among its tiles. (Over pycoder's 85 weight matrices,
-// two threads: 8 and 16 rows 8-14% faster than with all of them issued in the first pass.)
+// V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1;
+// x holds padded(M) rows (see `linear`), so that 3 rows left over run as one tile of 4 whose
+// last row repeats row M - 1 and is not stored. (M is a constant where the caller's is, once
+// inlined.) With `prefetch`, the next block's rows are prefetched spread over all the passes
+// (one per tile of query rows), so that they stream in while the later passes compute from the
+// cache: pass p of P prefetches the next block's rows [V p / P, V (p + 1) / P), split among its
+// tiles. (Over pycoder's 85 weight matrices, two threads: 8 and 16 rows 8-14% faster than with
+// all of them issued in the first pass.)
 template <typename TW>
 static inline void block(long M, const float* x, const TW* w, float* y, int K, int N, int n, bool prefetch) {
   const TW* wn = w + (std::size_t)n * K;
   const TW* next = wn + (std::size_t)V * K;
-  const long passes = M / 4 + M % 4 / 2 + M % 2;
+  const long Mp = padded(M);
+  const long passes = Mp / 4 + Mp % 4 / 2 + Mp % 2;
   long m = 0, pass = 0;
   // Tile `t` of `tiles` in this pass prefetches the next block's rows [first(t), first(t + 1)).
   auto first = [&](int t, int tiles) {
@@ -259,10 +273,10 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
   };
   auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : (const TW*)nullptr; };
   auto pf_rows = [&](int t, int tiles) { return (int)(first(t + 1, tiles) - first(t, tiles)); };
-  for (; m + 4 <= M; m += 4, pass++)
+  for (; m + 4 <= Mp; m += 4, pass++)
     for (int t = 0, j = 0; j < V; t++, j += V / 4)
       tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
-                     pf(t, 4), pf_rows(t, 4));
+                     pf(t, 4), pf_rows(t, 4), (int)std::min<long>(4, M - m));
   for (; m + 2 <= M; m += 2, pass++)
     for (int t = 0, j = 0; j < V; t++, j += V / 2)
       tile<2, V / 2>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
@@ -276,11 +290,22 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
 template <typename TW>
 static void linear(long M, const float* x, const TW* w, float* y, int batches, long N, int K, long wb,
                    int threads) {
-  const long blocks = N / V, tasks = batches * blocks;
+  const long blocks = N / V, tasks = batches * blocks, Mp = padded(M);
+  const float* xp = x;
+  if (Mp != M) {                                    // each batch's rows, then its last row again
+    static thread_local std::vector<float> copy;    // kept: a step calls this for every linear
+    if (copy.size() < (std::size_t)batches * Mp * K) copy.resize((std::size_t)batches * Mp * K);
+    for (int b = 0; b < batches; b++) {
+      float* dst = copy.data() + (std::size_t)b * Mp * K;
+      std::memcpy(dst, x + (std::size_t)b * M * K, sizeof(float) * M * K);
+      std::memcpy(dst + (std::size_t)M * K, x + ((std::size_t)b * M + M - 1) * K, sizeof(float) * K);
+    }
+    xp = copy.data();
+  }
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
   for (long t = 0; t < tasks; t++) {
     const long b = t / blocks, n = (t % blocks) * V;
-    block(M, x + b * M * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
+    block(M, xp + b * Mp * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
   }
   for (int b = 0; b < batches; b++)                 // rows past the last whole block
     for (long n = blocks * V; n < N; n++)
