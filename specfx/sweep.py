@@ -22,6 +22,8 @@ times, and the predicted tokens per second, against the chain of k drafts.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +46,11 @@ class SweepResult:
 
 
 def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, num_prompts: int = 8,
-               ks=KS, layers=None, backend: str = "inductor", log=print) -> SweepResult:
-    """The (E, k) sweep over exit layers `layers` (default: every layer below the last)."""
+               ks=KS, layers=None, backend: str = "inductor", check: int = 5, rounds: int = 3,
+               log=print) -> SweepResult:
+    """The (E, k) sweep over exit layers `layers` (default: every layer below the last); the
+    `check` best predicted pairs are then run for real, `rounds` rounds each (0: trust the
+    prediction)."""
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
     max_seq_len = cache_length(encoded, max_new_tokens)
     L = model.config.num_hidden_layers
@@ -53,7 +58,8 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     if not layers or any(not 1 <= E < L for E in layers):
         raise ValueError(f"exit layers must be in 1..{L - 1}, got {layers}")
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, ks=list(ks),
-                                       exit_layers=layers, backend=backend, max_seq_len=max_seq_len))
+                                       exit_layers=layers, backend=backend, max_seq_len=max_seq_len,
+                                       checked=check, rounds=rounds))
     base = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
     result.decode_ms = base.profile()[1] * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
@@ -72,7 +78,40 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
             log(f"[sweep] E={E} k={k}: {tokens:.2f} tokens/step, step {step_ms:.2f} ms, "
                 f"predicted {row['predicted_speedup']:.2f}x vs plain decoding")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
+    top = sorted(result.rows, key=lambda r: -r["predicted_speedup"])[:check]
+    if top:
+        speedups = _run_side_by_side(model, [f"early-exit:{r['exit_layer']}@{r['k']}" for r in top], encoded,
+                                     max_new_tokens, max_seq_len, backend, rounds)
+        for r, x in zip(top, speedups):
+            r["measured_speedup"] = round(x, 3)
+            log(f"[sweep] E={r['exit_layer']} k={r['k']}: measured {x:.2f}x vs plain decoding")
+        result.best = max(top, key=lambda r: r["measured_speedup"])
     return result
+
+
+def _run_side_by_side(model, specs: list[str], encoded, max_new_tokens: int, max_seq_len: int, backend: str,
+                      rounds: int) -> list[float]:
+    """Each drafter of `specs` ("DRAFT@K") against plain decoding: the median over `rounds`
+    rounds (in alternating order, so the machine's drift reaches each alike) of plain
+    decoding's seconds over the prompts divided by the drafter's. Every method makes the same
+    greedy tokens, so that is the ratio of their tokens per second."""
+    import specfx
+
+    fast = {}
+    for spec in ["none", *specs]:
+        draft, _, k = spec.partition("@")
+        fast[spec] = specfx.compile(model, draft=draft, num_speculative_tokens=int(k) if k else None,
+                                    max_seq_len=max_seq_len, backend=backend)
+        fast[spec].generate(encoded[0], max_new_tokens=max_new_tokens)          # compile and warm up
+    seconds = {spec: [] for spec in fast}
+    for r in range(rounds):
+        for spec in list(fast) if r % 2 == 0 else list(fast)[::-1]:
+            t = time.perf_counter()
+            for ids in encoded:
+                fast[spec].generate(ids, max_new_tokens=max_new_tokens)
+            seconds[spec].append(time.perf_counter() - t)
+    base = statistics.median(seconds["none"])
+    return [base / statistics.median(seconds[spec]) for spec in specs]
 
 
 TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
@@ -188,13 +227,16 @@ def render_sweep(result: SweepResult):
 
     t = Table(title=f"exit-layer sweep (plain decode step {result.decode_ms:.2f} ms; "
                     f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
-    for col in ("E", "k", "tokens/step", "draft ms", "verify ms", "step ms", "predicted speedup"):
+    for col in ("E", "k", "tokens/step", "draft ms", "verify ms", "step ms", "predicted speedup", "measured"):
         t.add_column(col, justify="right")
     for r in result.rows:
         style = "bold green" if r is result.best else None
+        measured = f"{r['measured_speedup']:.2f}x" if "measured_speedup" in r else ""
         t.add_row(str(r["exit_layer"]), str(r["k"]), f"{r['tokens_per_step']:.2f}", f"{r['draft_ms']:.2f}",
-                  f"{r['verify_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['predicted_speedup']:.2f}x", style=style)
-    t.caption = f"sweet spot: exit layer {result.best['exit_layer']}, k={result.best['k']}"
+                  f"{r['verify_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['predicted_speedup']:.2f}x", measured,
+                  style=style)
+    how = "measured" if "measured_speedup" in result.best else "predicted"
+    t.caption = f"sweet spot ({how}): exit layer {result.best['exit_layer']}, k={result.best['k']}"
     return t
 
 

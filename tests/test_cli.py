@@ -62,10 +62,13 @@ def test_sweep_picks_a_best_pair_and_saves_it(checkpoint, tmp_path):
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # save_default edits config.json
     model, tok, path = load_model(str(path))
     result = sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5), layers=[1, 3],
-                        backend="eager", log=lambda m: None)
+                        backend="eager", check=2, rounds=1, log=lambda m: None)
     # Every asked (exit layer, k), the last exit layer included; neither k is the model's 4.
     assert [(r["exit_layer"], r["k"]) for r in result.rows] == [(1, 3), (1, 5), (3, 3), (3, 5)]
-    assert result.best in result.rows
+    # The two best predicted pairs ran for real, and the sweet spot is the faster of them.
+    checked = sorted(result.rows, key=lambda r: -r["predicted_speedup"])[:2]
+    assert [r for r in result.rows if "measured_speedup" in r] == [r for r in result.rows if r in checked]
+    assert result.best is max(checked, key=lambda r: r["measured_speedup"])
     assert all(r["step_ms"] > 0 and 1 <= r["tokens_per_step"] <= r["k"] + 1 for r in result.rows)
     save_default(path, result.best)
     model2, _, _ = load_model(str(path))
@@ -92,10 +95,14 @@ def test_sweep_tries_every_exit_layer_below_the_last_by_default(checkpoint, monk
 
     monkeypatch.setattr(sweep, "_profiled", lambda *a: SimpleNamespace(profile=lambda: (1e-3, 2e-3)))
     monkeypatch.setattr(sweep, "_acceptance", lambda model, E, k, *a: [0.5] * k)
+    # The real runs: the second best prediction runs faster, and is picked.
+    monkeypatch.setattr(sweep, "_run_side_by_side", lambda model, specs, *a: [1.1, 1.3, 1.2][: len(specs)])
     model, tok, _ = load_model(str(checkpoint))
     result = sweep.sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
                               backend="eager", log=lambda m: None)
     assert [(r["exit_layer"], r["k"]) for r in result.rows] == [(E, k) for E in (1, 2, 3) for k in (3, 5)]
+    assert [r["measured_speedup"] for r in result.rows if "measured_speedup" in r] == [1.1, 1.3, 1.2]
+    assert result.best["measured_speedup"] == 1.3
 
 
 @pytest.mark.parametrize("backend,skinny", [("inductor", True), ("eager", False)])
