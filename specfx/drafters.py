@@ -1,6 +1,7 @@
 """Drafter configurations: validated dataclasses, and the string forms the CLI accepts.
 
-`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)` (`"early-exit:4:weights=target"`: on the model's own weights); `"ngram:3"` -> `PromptLookup(ngram=3)`;
+`parse_draft("early-exit:4")` -> `EarlyExit(layer=4)` (`"early-exit:4:weights=target"`: drafting on the
+model's own weights); `"ngram:3"` -> `PromptLookup(ngram=3)`;
 `"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"mtp:pycoder-mtp"` -> `MTPHead("pycoder-mtp")`;
 `"mtp:pycoder-mtp:tree=4x2x2x1"` -> `MTPHead("pycoder-mtp", tree=(4, 2, 2, 1))` (a draft tree, also for a draft model);
 `"none"` or None -> `NoDraft()`.
@@ -31,8 +32,8 @@ class EarlyExit:
     `weights_dtype` picks how the drafts run those layers (see `draft_weights`):
 
     - "target": on the model's own weights, as LayerSkip does. The drafts' KV and exit hidden
-      states are the model's, so the verify pass continues from the exit: it runs layers > E
-      over the pending token and the drafts;
+      states are the model's, so the verify pass continues from the exit: it runs layers >= E
+      (counting from 0) over the pending token and the drafts;
     - "int8" or "bfloat16": on a copy of those layers' and the head's weights stored at fewer
       bytes (drafting only). The drafts write their KV into the model's cache for layers < E,
       and the verify pass runs every layer over the pending token and the drafts, writing the
@@ -192,7 +193,8 @@ DRAFT_WEIGHTS = ("target", "bfloat16", "int8")    # a drafter's `weights_dtype`,
 def _check_weights(config) -> None:
     if config.weights_dtype not in (None, *DRAFT_WEIGHTS):
         raise ValueError(f"{type(config).__name__}(weights_dtype={config.weights_dtype!r}): expected None (int8 "
-                         f"where the tiled kernel drafts, else the target's) or one of {', '.join(map(repr, DRAFT_WEIGHTS))}")
+                         "where the tiled kernel drafts, else the target's) or one of "
+                         + ", ".join(map(repr, DRAFT_WEIGHTS)))
 
 
 def _weights_suffix(config) -> str:

@@ -18,7 +18,7 @@ from torch import fx, nn
 from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
                             static_positions)
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
-                             default_exit_layer, draft_weights)
+                             default_exit_layer)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StoreDraftWeights, StructureError, StructureMap, TreeAttention, TruncateAtExit,

@@ -45,10 +45,17 @@ def test_batch_larger_than_compiled(model):
         fast.generate(torch.ones(3, 4, dtype=torch.long), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("spec", ["early-exit:x", "medusa", "none:3", "ngram:x"])
+@pytest.mark.parametrize("spec", ["early-exit:x", "medusa", "none:3", "ngram:x", "early-exit:weights=int8:2"])
 def test_unknown_draft_spec(model, spec):
     with pytest.raises(ValueError, match="draft spec"):
         specfx.compile(model, draft=spec, backend="eager")
+
+
+def test_early_exit_weights_name_a_dtype_or_the_target():
+    with pytest.raises(ValueError, match="EarlyExit\\(weights_dtype='float16'\\): expected None .* 'target', 'bfloat16', 'int8'"):
+        specfx.parse_draft("early-exit:2:weights=float16")
+    assert specfx.parse_draft("early-exit:weights=target") == specfx.EarlyExit(weights_dtype="target")
+    assert str(specfx.EarlyExit(2, weights_dtype="int8")) == "early-exit:2:weights=int8"
 
 
 def test_non_layerskip_model_runs_and_reports_low_acceptance(model):
