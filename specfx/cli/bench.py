@@ -51,7 +51,8 @@ def add_parser(sub):
     p.add_argument("--top-p", type=float, default=1.0, help="with --sample")
     p.add_argument("--top-k", type=int, default=0, help="with --sample (0: off)")
     p.add_argument("--sweep-exit", action="store_true",
-                   help="try every exit layer and k in {2,3,4,6}; print the sweet spot")
+                   help="try every exit layer and k in {2,3,4,6}, run the five best predictions for real; "
+                        "print the sweet spot")
     p.add_argument("--exit-layers", default=None,
                    help="with --sweep-exit: the exit layers to try, comma-separated (default: every one)")
     p.add_argument("--sweep-tree", action="store_true",
