@@ -82,7 +82,7 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     if top:
         speedups = _run_side_by_side(model, [f"early-exit:{r['exit_layer']}@{r['k']}" for r in top], encoded,
                                      max_new_tokens, max_seq_len, backend, rounds)
-        for r, x in zip(top, speedups):
+        for r, x in zip(top, speedups, strict=True):
             r["measured_speedup"] = round(x, 3)
             log(f"[sweep] E={r['exit_layer']} k={r['k']}: measured {x:.2f}x vs plain decoding")
         result.best = max(top, key=lambda r: r["measured_speedup"])

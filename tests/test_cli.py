@@ -95,14 +95,16 @@ def test_sweep_tries_every_exit_layer_below_the_last_by_default(checkpoint, monk
 
     monkeypatch.setattr(sweep, "_profiled", lambda *a: SimpleNamespace(profile=lambda: (1e-3, 2e-3)))
     monkeypatch.setattr(sweep, "_acceptance", lambda model, E, k, *a: [0.5] * k)
-    # The real runs: the second best prediction runs faster, and is picked.
-    monkeypatch.setattr(sweep, "_run_side_by_side", lambda model, specs, *a: [1.1, 1.3, 1.2][: len(specs)])
+    # The real runs: the second best prediction runs fastest, and is picked.
+    monkeypatch.setattr(sweep, "_run_side_by_side", lambda model, specs, *a: [1.1, 1.3] + [1.0] * (len(specs) - 2))
     model, tok, _ = load_model(str(checkpoint))
     result = sweep.sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
                               backend="eager", log=lambda m: None)
     assert [(r["exit_layer"], r["k"]) for r in result.rows] == [(E, k) for E in (1, 2, 3) for k in (3, 5)]
-    assert [r["measured_speedup"] for r in result.rows if "measured_speedup" in r] == [1.1, 1.3, 1.2]
-    assert result.best["measured_speedup"] == 1.3
+    # (k=5 predicts more than k=3 here: the five best are every k=5, then E=1 and E=2 at k=3)
+    measured = {(r["exit_layer"], r["k"]): r["measured_speedup"] for r in result.rows if "measured_speedup" in r}
+    assert measured == {(1, 5): 1.1, (2, 5): 1.3, (3, 5): 1.0, (1, 3): 1.0, (2, 3): 1.0}
+    assert (result.best["exit_layer"], result.best["k"]) == (2, 5)
 
 
 @pytest.mark.parametrize("backend,skinny", [("inductor", True), ("eager", False)])
