@@ -11,8 +11,10 @@ predicts tokens per second with the expected-tokens form of Leviathan et al.'s s
 
 where `decode` is one plain decoding step and calls(k) the draft passes of a step (k + 1 on the
 model's own weights, k on a stored copy: `EarlyExit`). Acceptance is measured with the drafts
-the timed graphs make (on the CPU, from the int8 copy). The best pair is then checked with a
-real run.
+the timed graphs make (on the CPU, from the int8 copy). The prediction adds parts timed alone,
+which misranks neighbouring pairs, so the `check` pairs it predicts best then run for real,
+compiled with `backend`, over the prompts in alternating rounds against plain decoding
+(`measured_speedup`); the fastest of them is the sweet spot.
 
 `sweep_tree` does the same over draft-tree shapes of one drafter (an MTP head by default): the
 measured tokens per target call of each shape (greedy, on the prompts), its draft and verify
@@ -80,7 +82,7 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
     top = sorted(result.rows, key=lambda r: -r["predicted_speedup"])[:check]
     if top:
-        speedups = _run_side_by_side(model, [f"early-exit:{r['exit_layer']}@{r['k']}" for r in top], encoded,
+        speedups = _run_side_by_side(model, [(f"early-exit:{r['exit_layer']}", r["k"]) for r in top], encoded,
                                      max_new_tokens, max_seq_len, backend, rounds)
         for r, x in zip(top, speedups, strict=True):
             r["measured_speedup"] = round(x, 3)
@@ -89,29 +91,28 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     return result
 
 
-def _run_side_by_side(model, specs: list[str], encoded, max_new_tokens: int, max_seq_len: int, backend: str,
-                      rounds: int) -> list[float]:
-    """Each drafter of `specs` ("DRAFT@K") against plain decoding: the median over `rounds`
+def _run_side_by_side(model, drafters: list[tuple[str, int]], encoded, max_new_tokens: int, max_seq_len: int,
+                      backend: str, rounds: int) -> list[float]:
+    """Each (draft spec, k) of `drafters` against plain decoding: the median over `rounds`
     rounds (in alternating order, so the machine's drift reaches each alike) of plain
     decoding's seconds over the prompts divided by the drafter's. Every method makes the same
     greedy tokens, so that is the ratio of their tokens per second."""
     import specfx
 
-    fast = {}
-    for spec in ["none", *specs]:
-        draft, _, k = spec.partition("@")
-        fast[spec] = specfx.compile(model, draft=draft, num_speculative_tokens=int(k) if k else None,
-                                    max_seq_len=max_seq_len, backend=backend)
-        fast[spec].generate(encoded[0], max_new_tokens=max_new_tokens)          # compile and warm up
-    seconds = {spec: [] for spec in fast}
+    fast = []
+    for draft, k in [("none", None), *drafters]:
+        fast.append(specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
+                                   backend=backend))
+        fast[-1].generate(encoded[0], max_new_tokens=max_new_tokens)          # compile and warm up
+    seconds = [[] for _ in fast]
     for r in range(rounds):
-        for spec in list(fast) if r % 2 == 0 else list(fast)[::-1]:
+        for i in range(len(fast)) if r % 2 == 0 else reversed(range(len(fast))):
             t = time.perf_counter()
             for ids in encoded:
-                fast[spec].generate(ids, max_new_tokens=max_new_tokens)
-            seconds[spec].append(time.perf_counter() - t)
-    base = statistics.median(seconds["none"])
-    return [base / statistics.median(seconds[spec]) for spec in specs]
+                fast[i].generate(ids, max_new_tokens=max_new_tokens)
+            seconds[i].append(time.perf_counter() - t)
+    base, *times = [statistics.median(s) for s in seconds]
+    return [base / t for t in times]
 
 
 TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))

@@ -96,7 +96,7 @@ def test_sweep_tries_every_exit_layer_below_the_last_by_default(checkpoint, monk
     monkeypatch.setattr(sweep, "_profiled", lambda *a: SimpleNamespace(profile=lambda: (1e-3, 2e-3)))
     monkeypatch.setattr(sweep, "_acceptance", lambda model, E, k, *a: [0.5] * k)
     # The real runs: the second best prediction runs fastest, and is picked.
-    monkeypatch.setattr(sweep, "_run_side_by_side", lambda model, specs, *a: [1.1, 1.3] + [1.0] * (len(specs) - 2))
+    monkeypatch.setattr(sweep, "_run_side_by_side", lambda model, drafters, *a: [1.1, 1.3] + [1.0] * (len(drafters) - 2))
     model, tok, _ = load_model(str(checkpoint))
     result = sweep.sweep_exit(model, tok, zoo.prompts()[:1], max_new_tokens=6, num_prompts=1, ks=(3, 5),
                               backend="eager", log=lambda m: None)
