@@ -1,7 +1,7 @@
 """skinny_matmul: linears over few rows run on the kernel that is fastest for their shape.
 
 `aten.linear(x [.., K], W [N, K])` with M = x.numel() / K rows is rewritten, where
-`choose(M, N, K) -> Choice` says so, into one of:
+`choose(M, N, K, dtype) -> Choice` says so (dtype: the weight's as stored), into one of:
 
 - "tiled": `specfx.tiled_linear(x [M, K], W)` (`specfx.kernels.tiled_linear`), a register-tiled
   C++ kernel that Inductor compiles into the graph: each weight row is read once for all M rows
@@ -63,7 +63,7 @@ class Choice:
 class SkinnyMatmul(Pass):
     """Rewrite few-row linears into the kernel `choose` says is fastest for their shape."""
 
-    def __init__(self, choose: Callable[[int, int, int], Choice]):
+    def __init__(self, choose: Callable[[int, int, int, torch.dtype], Choice]):
         self.choose = choose
 
     def call(self, gm: fx.GraphModule) -> PassResult:
@@ -94,7 +94,7 @@ class SkinnyMatmul(Pass):
         rows = M if isinstance(M, int) else _hint(M)
         if rows is None:
             return Choice("blas", f"M={M}: rows not static, and no width to measure at: BLAS")
-        choice = self.choose(rows, N, K)
+        choice = self.choose(rows, N, K, _stored_weight(node).meta["val"].dtype)
         if choice.kernel == "tiled" and not _tiled_fits(node):
             fallback = "reduce" if isinstance(M, int) and M <= MAX_ROWS else "blas"
             return Choice(fallback, f"M={M}: not the tiled kernel's case (float32 rows, float32, bfloat16 or int8 contiguous weights, "

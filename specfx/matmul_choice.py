@@ -1,6 +1,6 @@
 """Which kernel runs the few-row matmuls, measured on this machine and remembered.
 
-`MatmulPlan(weights)` answers `plan(M, N, K) -> Choice` for the `skinny_matmul` pass. For a
+`MatmulPlan(weights)` answers `plan(M, N, K, dtype) -> Choice` for the `skinny_matmul` pass. For a
 model's weights and M rows it times every linear of the model at M rows, one after another as
 a step runs them (each linear's input depends on the one before, as in a step, so Inductor
 cannot run several of them in one loop), in graphs compiled as the runtime compiles its own:
@@ -60,7 +60,8 @@ def machine() -> str:
 
 
 class MatmulPlan:
-    """`plan(M, N, K) -> Choice`: reduce where the model's linears at M rows ran faster so."""
+    """`plan(M, N, K, dtype) -> Choice`: the kernel under which the linears of the weight set
+    holding an [N, K] weight of `dtype` ran fastest at M rows."""
 
     def __init__(self, weights):
         self.sets: list[tuple[list[torch.Tensor], torch.dtype]] = []
@@ -75,9 +76,17 @@ class MatmulPlan:
         if ws:
             self.sets.append((ws, rows or ws[0].dtype))
 
-    def __call__(self, M: int, N: int, K: int) -> Choice:
-        weights, rows = next(((ws, r) for ws, r in self.sets if any(tuple(w.shape) == (N, K) for w in ws)),
-                             (None, None))
+    def __call__(self, M: int, N: int, K: int, dtype: torch.dtype | None = None) -> Choice:
+        """The kernel for M rows times a weight [N, K] stored in `dtype`: chosen from the timing
+        of the measured set that holds such a weight. A draft's int8 layer has its target
+        layer's shape, and the two sets' kernels differ (pycoder on a 2-core EPYC at one row:
+        the float32 model's reduction and tiled kernel tie, the int8 head's reduction is 4x its
+        tiled kernel), so the dtype decides where it is given."""
+        def holds(ws, same_dtype: bool) -> bool:
+            return any(tuple(w.shape) == (N, K) and (not same_dtype or w.dtype == dtype) for w in ws)
+
+        weights, rows = next(((ws, r) for same in (dtype is not None, False) for ws, r in self.sets
+                              if holds(ws, same)), (None, None))
         if weights is None:
             return Choice("blas", f"{N}x{K}: not a weight of the measured models")
         t = self.timing(weights, M, rows)

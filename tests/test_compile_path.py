@@ -74,7 +74,7 @@ def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft, kernel):
     from specfx.matmul_choice import MatmulPlan
     from specfx.passes.skinny_matmul import Choice
 
-    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K: Choice(kernel, f"every linear: {kernel}"))
+    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K, dtype=None: Choice(kernel, f"every linear: {kernel}"))
     model = tiny_model("llama", layers=2, seed=9)
     fast, codes = run_and_get_code(lambda: specfx.compile(model, draft=draft, num_speculative_tokens=3,
                                                           max_seq_len=200))

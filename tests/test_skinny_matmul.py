@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import specfx
 from helpers import span, tiny_model
 from specfx import matmul_choice
 from specfx.capture import capture
@@ -14,9 +15,9 @@ from specfx.passes import Choice, SkinnyMatmul
 from specfx.passes.skinny_matmul import MATERIALIZE, MAX_ROWS, strip_materialize
 
 aten = torch.ops.aten
-ALWAYS = lambda M, N, K: Choice("reduce", f"M={M}: test")      # noqa: E731
-TILED = lambda M, N, K: Choice("tiled", f"M={M}: test tiles")   # noqa: E731
-NEVER = lambda M, N, K: Choice("blas", f"M={M}: test says BLAS")  # noqa: E731
+ALWAYS = lambda M, N, K, dtype: Choice("reduce", f"M={M}: test")      # noqa: E731
+TILED = lambda M, N, K, dtype: Choice("tiled", f"M={M}: test tiles")   # noqa: E731
+NEVER = lambda M, N, K, dtype: Choice("blas", f"M={M}: test says BLAS")  # noqa: E731
 
 
 def _count(gm, target) -> int:
@@ -147,6 +148,54 @@ def test_plan_chooses_the_faster_kernel_and_remembers_it(tmp_path, monkeypatch):
     monkeypatch.setattr(matmul_choice, "_memory", {})
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: pytest.fail("measured again"))
     assert matmul_choice.MatmulPlan(weights)(1, 8, 4).kernel == "reduce"
+
+
+def test_plan_chooses_by_the_stored_dtype_where_a_draft_shares_its_targets_shapes(tmp_path, monkeypatch):
+    """An int8 draft layer has its target layer's shape: its kernel comes from its own set's timing."""
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    timings = {torch.float32: {"linears": 2, "tiled_ms": 1.1, "reduce_ms": 1.0},
+               torch.int8: {"linears": 2, "tiled_ms": 0.3, "reduce_ms": 1.0}}
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: timings[ws[0].dtype])
+    weights = [torch.randn(8, 4), torch.randn(4, 8)]
+    plan = matmul_choice.MatmulPlan(weights)
+    plan.include([w.to(torch.int8) for w in weights], rows=torch.float32)
+    assert plan(1, 8, 4, torch.float32).kernel == "reduce"
+    assert plan(1, 8, 4, torch.int8).kernel == "tiled"
+    assert plan(1, 8, 4).kernel == "reduce"                        # no dtype: the first set that holds the shape
+
+
+@pytest.mark.parametrize("draft", ["early-exit:2", "mtp"])
+def test_int8_drafts_take_the_kernel_timed_on_their_own_weights(draft, tmp_path, monkeypatch):
+    """Early exit's stored layers and an MTP head's stored lm_head have the target's shapes: where
+    the float32 model's linears time fastest as the reduction and the int8 copies' as the tiled
+    kernel, the draft graph reads every int8 weight through the tiled kernel (the plan once took
+    the first set of the shape, the target's, and drafted from int8 rows 4x slower)."""
+    from specfx.kernels import tiled_linear
+    from specfx.mtp import new_head, save_head
+
+    if not tiled_linear.available()[0]:
+        pytest.skip(tiled_linear.available()[1])
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: (
+        {"linears": len(ws), "tiled_ms": 0.3, "reduce_ms": 1.0} if ws[0].dtype == torch.int8
+        else {"linears": len(ws), "tiled_ms": 1.1, "reduce_ms": 1.0, "blas_ms": 2.0}))
+    model = tiny_model("llama", layers=4, seed=3)
+    if draft == "mtp":
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=32, backend="eager",
+                          skinny_matmul=True, warmup=False)
+    gm = fast.graphs.parts["draft"]
+    vals = {n: n.meta.get("val") for n in gm.graph.nodes}
+    int8 = lambda n: isinstance(n, torch.fx.Node) and vals[n] is not None and vals[n].dtype == torch.int8  # noqa: E731
+    tiled = [n for n in gm.graph.nodes if n.target is torch.ops.specfx.tiled_linear.default and int8(n.args[1])]
+    widened = [n for n in gm.graph.nodes if n.target is aten.to.dtype and int8(n.args[0])]
+    assert tiled and not widened                    # no int8 weight is read as the reduction's widened copy
+    if str(draft).startswith("early-exit"):
+        assert len(tiled) == 2 * 7 + 1              # the layers before the exit, the lm_head
+    else:
+        assert any(vals[n.args[1]].shape == model.lm_head.weight.shape for n in tiled)   # the stored lm_head
 
 
 @pytest.mark.slow
