@@ -210,16 +210,16 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // the first of `pf_rows` (at most RN) rows, K apart, that this thread reads next, prefetched
 // alongside w. Tiles of one or two query rows read their weight rows one after another, each
 // front to back (a plain stream, which the hardware prefetches too); tiles of four read their
-// four weight rows side by side, as one pass of 16 products per step. (pycoder's 85 weight
+// weight rows side by side, as one pass of V products per step (but see FOUR_BY_ROW). (pycoder's 85 weight
 // matrices, two threads, in a C++ harness, against side by side for every tile: row by row,
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
-template <int RM, int RN, typename TW>
+template <int RM, int RN, typename TW, bool BY_ROW = (RM <= 2)>
 static inline void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
                         int K, int N, const TW* pf, int pf_rows, int rows = RM) {
   static_assert(RM * RN == V, "one accumulator per output lane");
   vf acc[V];
-  if constexpr (RM <= 2) {
+  if constexpr (BY_ROW) {
 #pragma GCC unroll 16
     for (int j = 0; j < RN; j++) row<RM, RN>(acc, x, w, j, K, pf && j < pf_rows ? pf + (std::size_t)j * K : (const TW*)nullptr);
   } else {
@@ -251,6 +251,18 @@ static inline void tile(const float* __restrict x, const TW* __restrict w, float
       for (int j = 0; j < RN; j++) y[(std::size_t)i * N + j] = r[i * RN + j];
 }
 
+// Four query rows that make the only pass over a block (M = 3 or 4: a verify of k + 1 = 4
+// positions) read their weight rows one after another under AVX2, side by side under AVX-512.
+// (pycoder's 85 weight matrices, two threads, kernels round-robin in one process. A 2-core AMD
+// EPYC, AVX2: 4 rows 1.17-1.20x one row's time row by row, 1.30-1.39x side by side, in three
+// runs; 8 rows, two passes, stay side by side, 1.15x one row's. On an Intel Xeon, AVX-512,
+// row by row made 4 rows 0-5% slower.)
+#if defined(__AVX512F__)
+constexpr bool FOUR_BY_ROW = false;
+#else
+constexpr bool FOUR_BY_ROW = true;
+#endif
+
 // V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1;
 // x holds padded(M) rows (see `linear`), so that 3 rows left over run as one tile of 4 whose
 // last row repeats row M - 1 and is not stored. (M is a constant where the caller's is, once
@@ -273,6 +285,11 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
   };
   auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : (const TW*)nullptr; };
   auto pf_rows = [&](int t, int tiles) { return (int)(first(t + 1, tiles) - first(t, tiles)); };
+  if (FOUR_BY_ROW && Mp == 4) {
+    for (int t = 0, j = 0; j < V; t++, j += V / 4)
+      tile<4, V / 4, TW, true>(x, wn + (std::size_t)j * K, y + n + j, K, N, pf(t, 4), pf_rows(t, 4), (int)M);
+    return;
+  }
   for (; m + 4 <= Mp; m += 4, pass++)
     for (int t = 0, j = 0; j < V; t++, j += V / 4)
       tile<4, V / 4>(x + (std::size_t)m * K, wn + (std::size_t)j * K, y + (std::size_t)m * N + n + j, K, N,
