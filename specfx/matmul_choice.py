@@ -69,9 +69,10 @@ class MatmulPlan:
         self.measured: dict[str, dict] = {}
 
     def include(self, weights, rows: torch.dtype | None = None) -> None:
-        """Another model's weights (a draft model, a head), measured as a set of their own, with
-        rows of dtype `rows` (default: the weights'; float32 for a head whose weights are stored
-        in bfloat16 or int8 and widened where they are read, `mtp.store_weights`)."""
+        """Another weight set (a draft model's, a head's, early exit's stored copies), measured
+        as a set of its own, with rows of dtype `rows` (default: the weights'; float32 for weights
+        stored in bfloat16 or int8 and widened where they are read: `mtp.store_weights`, the
+        `store_draft_weights` pass)."""
         ws = [w.detach() for w in weights if w.dim() == 2]
         if ws:
             self.sets.append((ws, rows or ws[0].dtype))
@@ -85,8 +86,8 @@ class MatmulPlan:
         def holds(ws, same_dtype: bool) -> bool:
             return any(tuple(w.shape) == (N, K) and (not same_dtype or w.dtype == dtype) for w in ws)
 
-        weights, rows = next(((ws, r) for same in (dtype is not None, False) for ws, r in self.sets
-                              if holds(ws, same)), (None, None))
+        weights, rows = next(((ws, r) for same in ((True, False) if dtype is not None else (False,))
+                              for ws, r in self.sets if holds(ws, same)), (None, None))
         if weights is None:
             return Choice("blas", f"{N}x{K}: not a weight of the measured models")
         t = self.timing(weights, M, rows)
