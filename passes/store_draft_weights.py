@@ -14,6 +14,14 @@ from specfx.passes.infra import Pass, PassOrderError, PassResult
 aten = torch.ops.aten
 
 
+PREFIX = "draft_weight_"     # the buffers the pass adds: PREFIX{i}_stored, PREFIX{i}_scale
+
+
+def stored_weights(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The stored weights (not their scales) that `StoreDraftWeights` added to `gm`."""
+    return [b for name, b in gm.named_buffers() if name.startswith(PREFIX) and name.endswith("_stored")]
+
+
 class StoreDraftWeights(Pass):
     """Draft graph: every linear (the layers before the exit and the head) reads its own copy of
     its weight in int8 or bfloat16."""
@@ -42,7 +50,7 @@ class StoreDraftWeights(Pass):
             w = node.args[1]
             stored, scale = store_rows(functools.reduce(getattr, w.target.split("."), gm).detach(), self.dtype)
             with gm.graph.inserting_before(node):
-                read = insert_call(gm, aten.to.dtype, (_constant(gm, f"draft_weight_{i}_stored", stored, w),
+                read = insert_call(gm, aten.to.dtype, (_constant(gm, f"{PREFIX}{i}_stored", stored, w),
                                                       w.meta["val"].dtype))
             bias = node.args[2] if len(node.args) > 2 else None
             node.args = (node.args[0], read)
@@ -50,7 +58,7 @@ class StoreDraftWeights(Pass):
             users = list(node.users)
             with gm.graph.inserting_before(node.next):        # in order, after the linear
                 if scale is not None:
-                    out = insert_call(gm, aten.mul.Tensor, (out, _constant(gm, f"draft_weight_{i}_scale", scale, w)))
+                    out = insert_call(gm, aten.mul.Tensor, (out, _constant(gm, f"{PREFIX}{i}_scale", scale, w)))
                 if bias is not None:
                     out = insert_call(gm, aten.add.Tensor, (out, bias))
             for user in users:

@@ -23,6 +23,7 @@ from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
                            StoreDraftWeights, StructureError, StructureMap, TreeAttention, TruncateAtExit,
                            check_exit_layer)
+from specfx.passes.store_draft_weights import stored_weights
 from specfx.runtime.state import KVLayout, StaticState
 from specfx.runtime.step import (DraftModelDrafter, EarlyExitDrafter, LookupDrafter, MTPDrafter, MTPPrefill,
                                  NoDrafter, Prime, SpecStep, trace_step)
@@ -293,8 +294,7 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else [])],
                        ctx.target.capture(1), graph="draft")
     if stored and ctx.matmul is not None:             # the stored copies' kernels are timed as a set of their own
-        ctx.matmul.include([b for name, b in draft.named_buffers() if name.startswith("draft_weight_") and b.dim() == 2],
-                           rows=next(ctx.model.parameters()).dtype)
+        ctx.matmul.include(stored_weights(draft), rows=next(ctx.model.parameters()).dtype)
     draft = pm.run_all(ctx.tail(), draft, graph="draft")
     if stored is None:
         # The drafts' KV and exit states are the model's: k drafts and the pass that computes the
