@@ -27,7 +27,7 @@ class SpeculativeModel:
 
     def __init__(self, model, *, draft=None, num_speculative_tokens: int | None = None,
                  max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None,
+                 sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | str | None = None,
                  prefill_chunk: int = pipeline.PREFILL_CHUNK):
         self.model = model.eval()
         drafter = pipeline.resolve_drafter(model, parse_draft(draft))
@@ -109,7 +109,7 @@ class SpeculativeModel:
 
 def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None,
             max_seq_len: int = 2048, batch_size: int = 1, backend: str = "inductor",
-            sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | None = None,
+            sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | str | None = None,
             prefill_chunk: int = pipeline.PREFILL_CHUNK):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
@@ -117,7 +117,9 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
     `warmup=False` compilation happens at the first `generate` instead of here. On CUDA the
     step is captured as one CUDA graph (`cudagraphs="auto"`; False turns it off).
     `skinny_matmul` rewrites few-row matmuls where a measurement on this machine says the
-    rewrite is faster (None: on for Inductor on the CPU; see `specfx.matmul_choice`).
+    rewrite is faster (None: on for Inductor on the CPU; see `specfx.matmul_choice`); a string
+    names the kernels instead of measuring them ("tiled", or "1:reduce,tiled": M=1 reduced;
+    `$SPECFX_MATMUL` sets one for every compile).
     A prompt is prefilled in chunks of at most `prefill_chunk` tokens (one graph serves every
     width up to it): larger chunks read the weights fewer times and keep the matmuls wider,
     smaller ones keep the prefill's activations and attention scores small.
@@ -139,10 +141,13 @@ def skinny_default(model, backend: str) -> bool:
     return backend == "inductor" and next(model.parameters()).device.type == "cpu"
 
 
-def matmul_plan(model, backend: str, skinny_matmul: bool | None):
-    """The skinny-matmul choice for this model, or None where the rewrite is off."""
-    from specfx.matmul_choice import MatmulPlan
+def matmul_plan(model, backend: str, skinny_matmul: bool | str | None):
+    """The skinny-matmul choice for this model (a kernel spec fixes it, see
+    `specfx.matmul_choice.FixedPlan`), or None where the rewrite is off."""
+    from specfx.matmul_choice import plan
 
     if skinny_matmul is None:
         skinny_matmul = skinny_default(model, backend)
-    return MatmulPlan(list(model.parameters())) if skinny_matmul else None
+    if not skinny_matmul:
+        return None
+    return plan(list(model.parameters()), skinny_matmul if isinstance(skinny_matmul, str) else None)

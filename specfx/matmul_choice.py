@@ -17,6 +17,13 @@ BLAS call looks faster than it runs in a step, where each weight is read once fr
 A row count is measured once per machine and weight set: results are kept in
 `$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
 version, dtype, M, the weights' shapes and the kernels' versions.
+
+`FixedPlan(spec)` names the kernels instead of measuring them (`skinny_matmul="tiled"`, or
+`SPECFX_MATMUL=tiled` for every compile): a kernel for every row count, after optional
+`M:kernel` exceptions, as in "1:reduce,tiled". The choice then costs no compile of its own
+(each measured row count compiles one timing graph per kernel) and is the same on every
+machine, as a test suite wants; a kernel that does not fit a matmul falls back as a cached
+choice does (see `SkinnyMatmul`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, C
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
+ENV = "SPECFX_MATMUL"          # a FixedPlan's spec, for every compile that does not name one
 _memory: dict[str, dict] = {}
 
 
@@ -112,6 +120,35 @@ class MatmulPlan:
                 _store(key, cached)
             self.measured[key] = cached
         return self.measured[key]
+
+
+class FixedPlan:
+    """`plan(M, N, K, dtype) -> Choice` from a spec such as "tiled" or "1:reduce,tiled": the
+    kernel named for M rows, else the one named without a row count."""
+
+    def __init__(self, spec: str):
+        self.spec, self.kernels = spec, {}
+        for part in spec.split(","):
+            rows, _, kernel = part.strip().rpartition(":")
+            if kernel not in KERNELS or (rows and not rows.isdigit()):
+                raise ValueError(f"matmul plan {spec!r}: expected a kernel of {KERNELS}, each optionally "
+                                 f"after 'M:' (as in '1:reduce,tiled'), got {part.strip()!r}")
+            self.kernels[int(rows) if rows else None] = kernel
+        if None not in self.kernels:
+            raise ValueError(f"matmul plan {spec!r}: name a kernel for every other row count (as in '1:reduce,tiled')")
+
+    def include(self, weights, rows: torch.dtype | None = None) -> None:
+        """Nothing to measure (see `MatmulPlan.include`)."""
+
+    def __call__(self, M: int, N: int, K: int, dtype: torch.dtype | None = None) -> Choice:
+        kernel = self.kernels.get(M, self.kernels[None])
+        return Choice(kernel, f"M={M}: {SHOWN[kernel]}, as the plan {self.spec!r} says")
+
+
+def plan(weights, spec: str | None = None):
+    """The plan for a model's `weights`: fixed by `spec` or `$SPECFX_MATMUL`, else measured."""
+    spec = spec or os.environ.get(ENV)
+    return FixedPlan(spec) if spec else MatmulPlan(weights)
 
 
 def reduce_form(w: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:

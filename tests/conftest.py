@@ -15,6 +15,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 elif not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The skinny-matmul kernels named, not measured: a measurement compiles a timing graph per
+# kernel and row count for every new weight set (most of a tiny model's compile), and its choice
+# would vary with the machine. Both rewrites run: one-row graphs (decode, drafts) on Inductor's
+# reduction, wider ones on the tiled kernel. tests/test_skinny_matmul.py covers the measurement.
+os.environ.setdefault("SPECFX_MATMUL", "1:reduce,tiled")
+
 
 @pytest.fixture(scope="session")
 def pycoder():

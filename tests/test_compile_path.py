@@ -71,18 +71,14 @@ def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft, kernel):
 
     from torch._inductor.utils import run_and_get_code
 
-    from specfx.matmul_choice import MatmulPlan
-    from specfx.passes.skinny_matmul import Choice
-
-    monkeypatch.setattr(MatmulPlan, "__call__", lambda self, M, N, K, dtype=None: Choice(kernel, f"every linear: {kernel}"))
     model = tiny_model("llama", layers=2, seed=9)
     fast, codes = run_and_get_code(lambda: specfx.compile(model, draft=draft, num_speculative_tokens=3,
-                                                          max_seq_len=200))
+                                                          max_seq_len=200, skinny_matmul=kernel))
     step = max(codes, key=len)                      # prefill, first token, step: the step is the largest
     assert "ArrayRefTensor" in step
     assert not re.findall(r"aoti_torch_cpu_\w+|aoti_torch_call_dispatcher", step)
     assert "specfx_tiled::" in step                         # attention's scores and values, in any case
     skinny = [r for r in fast.graphs.records if r.name == "skinny_matmul" and r.modified]
-    assert skinny and all(f"every linear: {kernel}" in r.reason for r in skinny)
+    assert skinny and all(f"as the plan '{kernel}' says" in r.reason for r in skinny)
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     assert_greedy_equal(model, fast.generate(ids, max_new_tokens=20, eos_token_id=[]), hf_greedy(model, ids, 20), 9)

@@ -165,6 +165,22 @@ def test_plan_chooses_by_the_stored_dtype_where_a_draft_shares_its_targets_shape
     assert plan(1, 8, 4).kernel == "reduce"                        # no dtype: the first set that holds the shape
 
 
+def test_a_fixed_plan_names_the_kernels_without_measuring(monkeypatch):
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: pytest.fail("measured"))
+    weights = [torch.randn(8, 4)]
+    fixed = matmul_choice.plan(weights, "1:reduce, 4:blas, tiled")
+    assert [fixed(M, 8, 4).kernel for M in (1, 2, 4, 64)] == ["reduce", "tiled", "blas", "tiled"]
+    assert fixed(1, 8, 4).reason == "M=1: reduce, as the plan '1:reduce, 4:blas, tiled' says"
+    monkeypatch.setenv(matmul_choice.ENV, "blas")                 # every compile's, unless one names its own
+    assert matmul_choice.plan(weights)(1, 8, 4).kernel == "blas"
+    assert matmul_choice.plan(weights, "reduce")(1, 8, 4).kernel == "reduce"
+    monkeypatch.delenv(matmul_choice.ENV)
+    assert isinstance(matmul_choice.plan(weights), matmul_choice.MatmulPlan)
+    for spec, words in [("fast", "got 'fast'"), ("x:tiled,blas", "got 'x:tiled'"), ("1:reduce", "every other row count")]:
+        with pytest.raises(ValueError, match=words):
+            matmul_choice.plan(weights, spec)
+
+
 @pytest.mark.parametrize("draft", ["early-exit:2", "mtp"])
 def test_int8_drafts_take_the_kernel_timed_on_their_own_weights(draft, tmp_path, monkeypatch):
     """Early exit's stored layers and an MTP head's stored lm_head have the target's shapes: where
@@ -177,6 +193,7 @@ def test_int8_drafts_take_the_kernel_timed_on_their_own_weights(draft, tmp_path,
     if not tiled_linear.available()[0]:
         pytest.skip(tiled_linear.available()[1])
     monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(matmul_choice.ENV, raising=False)            # measured (as the lambda below says)
     monkeypatch.setattr(matmul_choice, "_memory", {})
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: (
         {"linears": len(ws), "tiled_ms": 0.3, "reduce_ms": 1.0} if ws[0].dtype == torch.int8
