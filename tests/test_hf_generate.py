@@ -48,7 +48,9 @@ def test_greedy_equals_plain_generate_on_evaluation_prompts(pycoder, pycoder_ref
     model, _ = pycoder
     gen = specfx.generate_with(draft="mtp", max_seq_len=320, backend="eager")
     accepted = []
-    for ids, ref in pycoder_references:                           # every evaluation prompt, plain generate
+    # Every fourth evaluation prompt, through transformers' `generate` (the MTP head's exactness
+    # on every prompt is tests/test_pycoder.py's).
+    for ids, ref in pycoder_references[::4]:
         ours = run(model, ids, custom_generate=gen, do_sample=False, max_new_tokens=32)
         assert ours.shape == ref.shape
         assert_greedy_equal(model, ours, ref, ids.shape[1])
