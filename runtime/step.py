@@ -252,7 +252,11 @@ def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-    history.scatter_(1, positions[:, :, None].expand(-1, -1, history.shape[-1]), hidden.to(history.dtype))
+    """history [B, S, H] at rows `positions` [B, W] <- hidden [B, W, H], in place. index_put_,
+    not scatter_: Inductor writes a scatter_ into a copy of the whole buffer and copies it
+    back (pycoder's MTP step: 2 x 1.3 MB, a fused kernel of ~200 us), an index_put_ in place."""
+    rows = torch.arange(history.shape[0], device=history.device)[:, None]            # [B, 1]
+    torch.ops.aten.index_put_(history, [rows, positions], hidden.to(history.dtype))
 
 
 class MTPDrafter(Drafter):
