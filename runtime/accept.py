@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specfx.runtime.tree import Tree, const
+from specfx.runtime.tree import Tree, const, put_rows
 
 
 def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
@@ -58,9 +58,7 @@ def commit(tokens, lengths, max_lens, done, eos, accept_hist, emitted, n) -> Non
     j = torch.arange(width, device=emitted.device)                  # [k+1]
     pos = (lengths[:, None] + j).clamp(max=tokens.shape[1] - 1)     # [B, k+1]
     active = ~done
-    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-    # index_put_ (not scatter_), so Inductor writes the few tokens in place (see move_path_kv).
-    torch.ops.aten.index_put_(tokens, [rows, pos], torch.where(active[:, None], emitted, tokens[rows, pos]))
+    put_rows(tokens, pos, torch.where(active[:, None], emitted, tokens.gather(1, pos)))
     new_len = lengths + (n + 1) * active
     kept = j[None, :] <= n[:, None]
     hit_eos = ((emitted[:, :, None] == eos).any(-1) & kept).any(1)

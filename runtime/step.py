@@ -42,7 +42,7 @@ from specfx.runtime.accept import commit, greedy_accept
 from specfx.runtime.lookup import ngram_propose
 from specfx.runtime.sampling import race, race_top, speculative_accept, tree_speculative_accept, warp
 from specfx.runtime.state import KVLayout
-from specfx.runtime.tree import Tree, move_path_kv
+from specfx.runtime.tree import Tree, move_path_kv, put_rows
 
 
 def _filters(sample) -> str:
@@ -251,14 +251,6 @@ def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.gather(1, rows[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
-def _scatter_hidden(history: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-    """history [B, S, H] at rows `positions` [B, W] <- hidden [B, W, H], in place. index_put_,
-    not scatter_: Inductor writes a scatter_ into a copy of the whole buffer and copies it
-    back (pycoder's MTP step: 2 x 1.3 MB, a fused kernel of ~200 us), an index_put_ in place."""
-    rows = torch.arange(history.shape[0], device=history.device)[:, None]            # [B, 1]
-    torch.ops.aten.index_put_(history, [rows, positions], hidden.to(history.dtype))
-
-
 class MTPDrafter(Drafter):
     """Drafts from an MTP head (one head pass per depth, along the spine of a spine tree; a
     chain of k by default), and its refill after verification.
@@ -310,7 +302,7 @@ class MTPDrafter(Drafter):
         hidden = _head_input(self.combine, out, 1, self.taps)        # [B, N+1, H]
         if path is not None:
             hidden = _gather_rows(hidden, path)                       # [B, D+1, H]: the accepted path's
-        _scatter_hidden(s.group("history")[0], positions, hidden)
+        put_rows(s.group("history")[0], positions, hidden)
         # Refill: the token after position p is emitted[p - last] for every kept p. Its row n
         # (the new pending token over h at its predecessor) is the next step's draft 1.
         refilled = self.refill(emitted, hidden, positions, s.span, *s.group("head"))
@@ -403,7 +395,7 @@ class MTPPrefill(nn.Module):
         out = self.target(input_ids, positions, span, *self.layout.take(kv, "target"))
         hidden = _head_input(self.combine, out, 1, self.taps)
         (history,) = self.layout.take(kv, "history")
-        _scatter_hidden(history, positions, hidden)
+        put_rows(history, positions, hidden)
         hpos = head_positions(positions - 1, self.max_pos)
         self.head(input_ids, _gather_rows(history, hpos), hpos, span, *self.layout.take(kv, "head"))
         return (out[0],)                                              # the target's last hidden state
