@@ -8,7 +8,8 @@
   unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W], span [L]) -> logits
   [B, W, V]`) with its `StructureMap` (see `specfx.passes.find_structure`). Attention reads
   cache slots 0..L-1; L, the length of `span`, is the graph's one dynamic size (see
-  `specfx.attention`).
+  `specfx.attention`). Each export is kept per model (as long as the model lives, while its
+  parameters and config stay the same) and a later capture of the same shapes gets a copy.
 
 Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
 past_key_values, use_cache`, calls `cache.update(k, v, layer_idx)` and runs its attention through
@@ -21,6 +22,7 @@ Eval-mode dropouts are removed from the graphs (identities that FX would keep as
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -188,19 +190,61 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     `explicit_mask` the graph takes the KV slots to write and the visibility mask as inputs
     (`forward(input_ids, positions, span, slots, visible)`, as a verify graph does)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
-    device = decoder.kv(0)[0].device
-    ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-    pos = static_positions(batch_size, width, device)
-    args = (ids, pos, example_span(max_seq_len, device))
-    if explicit_mask:
-        args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
-    gm = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
+    key = (width, batch_size, max_seq_len, dynamic_width, explicit_mask, decoder.reduce_attention,
+           decoder.tiled_attention, _fingerprint(model))
+    models = _captures.setdefault(model, {})
+    if key not in models:
+        device = decoder.kv(0)[0].device
+        ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+        pos = static_positions(batch_size, width, device)
+        args = (ids, pos, example_span(max_seq_len, device))
+        if explicit_mask:
+            args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
+        for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
+            del models[stale]
+        models[key] = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
+        for name in _kv_names(decoder):     # the cached graph keeps no KV buffers alive
+            setattr(models[key], name, torch.empty(0, device="meta"))
+    gm = _copy(models[key], {name: getattr(decoder, name) for name in _kv_names(decoder)})
     try:
         structure = find_structure(gm)
     except StructureError as e:
         raise StructureError(f"{architecture(model)}: {e}") from e
     gm.meta["structure"] = structure          # each graph is mapped itself: passes read this one
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
+
+
+# The graphs `capture` exported, per model (gone with it) and key: compiling one model for several
+# drafters, exit layers or tree shapes exports the same graphs again (about a second each on a
+# tiny model, several on a large one), and the passes only ever rewrite a copy. A key holds the
+# capture's arguments and the model's fingerprint (its modules, parameters and buffers by
+# identity, storage, shape and dtype, and its config): a model changed since is exported anew.
+_captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    tensors = tuple((name, id(t), t.data_ptr(), t.shape, t.dtype, t.device)
+                    for name, t in (*model.named_parameters(remove_duplicate=False),
+                                    *model.named_buffers(remove_duplicate=False)))
+    modules = tuple((name, id(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
+    config = getattr(model, "config", None)
+    return tensors, modules, config.to_json_string() if hasattr(config, "to_json_string") else None
+
+
+def _kv_names(decoder: StaticDecoder) -> list[str]:
+    return [kv_name(kind, i) for i in range(decoder.num_layers) for kind in "kv"]
+
+
+def _copy(gm: fx.GraphModule, attrs: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """A copy of `gm`'s graph over the same attributes (the parameters are shared), with `attrs`
+    in place of those it names."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph, "CapturedDecoder")
+    for name, tensor in attrs.items():
+        setattr(copy, name, tensor)
+    copy.meta = {}
+    return copy
 
 
 def static_positions(batch_size: int, width: int, device) -> torch.Tensor:

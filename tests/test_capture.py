@@ -99,3 +99,44 @@ def test_model_without_kv_cache_names_the_missing_part():
     # Its layers never reach specfx's attention (which the cache writes go with): refused by name.
     with pytest.raises(StructureError, match=r"_NoCacheModel: attention not found"):
         capture(_NoCacheModel(), width=2, batch_size=1, max_seq_len=8)
+
+
+def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
+    """A second compile of one model copies its exported graphs instead of exporting again; the
+    two compiled models keep KV caches of their own (generating with one between the other's
+    calls changes nothing), a model changed in between is exported anew, and the cache lets the
+    model go."""
+    import gc
+    import weakref
+
+    import specfx
+    from specfx import capture as capture_module
+    from helpers import hf_greedy
+
+    exports = []
+    real = capture_module.export_graph
+    monkeypatch.setattr(capture_module, "export_graph", lambda *a, **kw: exports.append(1) or real(*a, **kw))
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref = hf_greedy(model, ids, 12)
+    first = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+    exported = len(exports)
+    second = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+    assert len(exports) == exported > 0
+    other = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    out = first.generate(ids[:, :5], max_new_tokens=3)            # first's cache half filled
+    torch.testing.assert_close(second.generate(ids, max_new_tokens=12), ref, rtol=0, atol=0)
+    second.generate(other, max_new_tokens=20)
+    torch.testing.assert_close(first.generate(ids, max_new_tokens=12), ref, rtol=0, atol=0)
+    assert out.shape[1] == 8
+
+    with torch.no_grad():                                        # a replaced weight: exported anew
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.flip(0))
+    third = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+    assert len(exports) == 2 * exported
+    torch.testing.assert_close(third.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12), rtol=0, atol=0)
+
+    gone = weakref.ref(model)
+    del model, first, second, third
+    gc.collect()
+    assert gone() is None and not capture_module._captures
