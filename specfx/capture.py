@@ -217,8 +217,9 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
 # The graphs `capture` exported, per model (gone with it) and key: compiling one model for several
 # drafters, exit layers or tree shapes exports the same graphs again (about a second each on a
 # tiny model, several on a large one), and the passes only ever rewrite a copy. A key holds the
-# capture's arguments and the model's fingerprint (its modules, parameters and buffers by
-# identity, storage, shape and dtype, and its config): a model changed since is exported anew.
+# capture's arguments and the model's fingerprint (its modules by identity, mode, forward and
+# hooks, its parameters and buffers by identity, storage, shape and dtype, and its config): a
+# model changed since is exported anew.
 _captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
 
 
@@ -226,7 +227,8 @@ def _fingerprint(model: nn.Module) -> tuple:
     tensors = tuple((name, id(t), t.data_ptr(), t.shape, t.dtype, t.device)
                     for name, t in (*model.named_parameters(remove_duplicate=False),
                                     *model.named_buffers(remove_duplicate=False)))
-    modules = tuple((name, id(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
+    modules = tuple((name, id(m), m.training, id(m.__dict__.get("forward")), tuple(m._forward_pre_hooks),
+                     tuple(m._forward_hooks)) for name, m in model.named_modules(remove_duplicate=False))
     config = getattr(model, "config", None)
     return tensors, modules, config.to_json_string() if hasattr(config, "to_json_string") else None
 
