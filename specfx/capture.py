@@ -2,8 +2,9 @@
 
 - `StaticDecoder` wraps a Hugging Face causal LM with a static KV cache that writes each row's
   keys/values at that row's own positions (an in-place `index_put_`), and an attention mask
-  built from positions alone: query at position p sees slots <= p. Rows may sit at different lengths, and
-  slots beyond a row's length (rejected drafts) are masked without ever being cropped.
+  built from positions alone: query at position p sees slots <= p. Rows may sit at different
+  lengths, and slots beyond a row's length (rejected drafts) are masked without ever being
+  cropped.
 - `capture(model, width=W, ...)` runs `torch.export` at one fixed query width and returns the
   unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W], span [L]) -> logits
   [B, W, V]`) with its `StructureMap` (see `specfx.passes.find_structure`). Attention reads

@@ -113,7 +113,6 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     from specfx import capture as capture_module
     from helpers import hf_greedy
 
-    models = len(capture_module._captures)            # other tests' models alive in this process
     exports = []
     real = capture_module.export_graph
     monkeypatch.setattr(capture_module, "export_graph", lambda *a, **kw: exports.append(1) or real(*a, **kw))
@@ -138,6 +137,7 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     torch.testing.assert_close(third.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12), rtol=0, atol=0)
 
     gone = weakref.ref(model)
+    kept = [weakref.ref(gm) for gm in capture_module._captures[model].values()]
     del model, first, second, third
     gc.collect()
-    assert gone() is None and len(capture_module._captures) == models
+    assert gone() is None and kept and not any(ref() for ref in kept)
