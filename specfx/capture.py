@@ -203,10 +203,10 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
             args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
         for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
             del models[stale]
-        models[key] = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
-        for name in _kv_names(decoder):     # the cached graph keeps no KV buffers alive
-            setattr(models[key], name, torch.empty(0, device="meta"))
-    gm = _copy(models[key], {name: getattr(decoder, name) for name in _kv_names(decoder)})
+        exported = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
+        models[key] = _Captured(exported.graph, {t: _attr(exported, t) for t in _targets(exported.graph)
+                                                 if _attr(decoder, t) is None})
+    gm = _copy(models[key], decoder)
     try:
         structure = find_structure(gm)
     except StructureError as e:
@@ -217,11 +217,13 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
 
 # The graphs `capture` exported, per model (gone with it) and key: compiling one model for several
 # drafters, exit layers or tree shapes exports the same graphs again (about a second each on a
-# tiny model, several on a large one), and the passes only ever rewrite a copy. A key holds the
+# tiny model, several on a large one), and the passes only ever rewrite a copy (over the
+# parameters of the model and the KV buffers of the capture's decoder: the cache keeps no tensor
+# of the model's, so nothing it holds can keep the weights alive). A key holds the
 # capture's arguments and the model's fingerprint (its modules by identity, mode, forward and
 # hooks, its parameters and buffers by identity, storage, shape and dtype, and its config): a
 # model changed since is exported anew.
-_captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
+_captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Captured]] = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -234,20 +236,35 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tensors, modules, config.to_json_string() if hasattr(config, "to_json_string") else None
 
 
-def _kv_names(decoder: StaticDecoder) -> list[str]:
-    return [kv_name(kind, i) for i in range(decoder.num_layers) for kind in "kv"]
+@dataclass
+class _Captured:
+    """An exported graph as cached: its nodes, and the constants it reads that are not the
+    decoder's (parameters and KV buffers are taken from the decoder of each copy, so that the
+    cache holds none of the model's tensors)."""
+
+    graph: fx.Graph
+    constants: dict[str, torch.Tensor]
 
 
-def _copy(gm: fx.GraphModule, attrs: dict[str, torch.Tensor]) -> fx.GraphModule:
-    """A copy of `gm`'s graph over the same attributes (the parameters are shared), with `attrs`
-    in place of those it names."""
+def _targets(graph: fx.Graph) -> list[str]:
+    return [n.target for n in graph.nodes if n.op == "get_attr"]
+
+
+def _attr(module: nn.Module, target: str):
+    """The attribute at dotted path `target` of `module`, or None."""
+    for part in target.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _copy(cached: _Captured, decoder: StaticDecoder) -> fx.GraphModule:
+    """A copy of a cached graph over this decoder's parameters and KV buffers."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph, "CapturedDecoder")
-    for name, tensor in attrs.items():
-        setattr(copy, name, tensor)
-    copy.meta = {}
-    return copy
+    graph.output(graph.graph_copy(cached.graph, {}))
+    attrs = {t: cached.constants[t] if t in cached.constants else _attr(decoder, t) for t in _targets(graph)}
+    return fx.GraphModule(attrs, graph, "CapturedDecoder")
 
 
 def static_positions(batch_size: int, width: int, device) -> torch.Tensor:

@@ -104,8 +104,8 @@ def test_model_without_kv_cache_names_the_missing_part():
 def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     """A second compile of one model copies its exported graphs instead of exporting again; the
     two compiled models keep KV caches of their own (generating with one between the other's
-    calls changes nothing), a model changed in between is exported anew, and the cache lets the
-    model go."""
+    calls changes nothing), a model changed in between is exported anew, and the cache holds
+    none of the model's tensors and lets the model go."""
     import gc
     import weakref
 
@@ -136,8 +136,10 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     assert len(exports) == 2 * exported
     torch.testing.assert_close(third.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12), rtol=0, atol=0)
 
+    ours = {id(t) for t in (*model.parameters(), *model.buffers())}            # the cache holds none
+    cached = capture_module._captures[model].values()
+    assert cached and not any(id(t) in ours for c in cached for t in c.constants.values())
     gone = weakref.ref(model)
-    kept = [weakref.ref(gm) for gm in capture_module._captures[model].values()]
-    del model, first, second, third
+    del model, first, second, third, cached
     gc.collect()
-    assert gone() is None and kept and not any(ref() for ref in kept)
+    assert gone() is None
