@@ -204,8 +204,8 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
         for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
             del models[stale]
         exported = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
-        models[key] = _Captured(exported.graph, {t: _attr(exported, t) for t in _targets(exported.graph)
-                                                 if _attr(decoder, t) is None})
+        models[key] = _Captured(_bare(exported.graph), {t: _attr(exported, t) for t in _targets(exported.graph)
+                                                        if _attr(decoder, t) is None})
     gm = _copy(models[key], decoder)
     try:
         structure = find_structure(gm)
@@ -259,10 +259,17 @@ def _attr(module: nn.Module, target: str):
     return module
 
 
+def _bare(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph`'s nodes in a graph that no module owns (an owned graph keeps its
+    module, and so the module's tensors, alive)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
 def _copy(cached: _Captured, decoder: StaticDecoder) -> fx.GraphModule:
     """A copy of a cached graph over this decoder's parameters and KV buffers."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(cached.graph, {}))
+    graph = _bare(cached.graph)
     attrs = {t: cached.constants[t] if t in cached.constants else _attr(decoder, t) for t in _targets(graph)}
     return fx.GraphModule(attrs, graph, "CapturedDecoder")
 

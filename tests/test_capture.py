@@ -139,6 +139,7 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     ours = {id(t) for t in (*model.parameters(), *model.buffers())}            # the cache holds none
     cached = capture_module._captures[model].values()
     assert cached and not any(id(t) in ours for c in cached for t in c.constants.values())
+    assert all(c.graph.owning_module is None for c in cached)                    # nor a module that does
     gone = weakref.ref(model)
     del model, first, second, third, cached
     gc.collect()
