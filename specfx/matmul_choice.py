@@ -14,6 +14,9 @@ median of `REPEATS` passes taken round-robin over the kernels (so that the machi
 reaches each alike), and the fastest is chosen for that row count. Timing one small
 weight at a time in a loop misleads: in cache, or with the call overhead of a lone kernel, a
 BLAS call looks faster than it runs in a step, where each weight is read once from memory.
+Over several rows a fourth measurement settles between the tiled kernel and the reduction,
+which the chains leave out there: the model's own verify pass at that width, compiled under
+each (`MatmulPlan.settle`), since in a graph the reduction fuses with what surrounds it.
 A row count is measured once per machine and weight set: results are kept in
 `$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
 version, dtype, M, the weights' shapes and the kernels' versions.
@@ -35,6 +38,7 @@ import platform
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +50,7 @@ from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, C
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
+GRAPH_REPEATS = 15     # rounds of `MatmulPlan.settle`'s two verify graphs
 ENV = "SPECFX_MATMUL"          # a FixedPlan's spec, for every compile that does not name one
 _memory: dict[str, dict] = {}
 
@@ -75,6 +80,7 @@ class MatmulPlan:
         self.sets: list[tuple[list[torch.Tensor], torch.dtype]] = []
         self.include(weights)
         self.measured: dict[str, dict] = {}
+        self.in_graph: dict[int, dict] = {}    # M -> the model's verify pass at M rows, ms under each kernel
 
     def include(self, weights, rows: torch.dtype | None = None) -> None:
         """Another weight set (a draft model's, a head's, early exit's stored copies), measured
@@ -99,20 +105,57 @@ class MatmulPlan:
         if weights is None:
             return Choice("blas", f"{N}x{K}: not a weight of the measured models")
         t = self.timing(weights, M, rows)
-        times = {k: t[f"{k}_ms"] for k in KERNELS if f"{k}_ms" in t}
+        times = _kernel_ms(t)
         best = min(times, key=times.get)
         took = ", ".join(f"{SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
+        graph = self.in_graph.get(M) if weights is self.sets[0][0] else None
+        if graph is not None and best == "tiled":
+            best = min(graph, key=graph.get)
+            took += "; the model's verify at these rows took " + ", ".join(
+                f"{SHOWN[k]} {ms:.2f} ms" for k, ms in graph.items())
         return Choice(best, f"M={M}: {t['linears']} linears took {took}: {SHOWN[best]}")
 
-    def timing(self, weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> dict:
-        """Measured (or remembered) ms of all `weights` at M rows (of dtype `rows`, default the
-        weights') through each kernel."""
+    def settle(self, M: int, verify: Callable[[str], Callable[[], object]]) -> None:
+        """Choose between the tiled kernel and the reduction for the model's own linears at M
+        rows (1 < M <= MAX_ROWS, where the chains chose the tiled kernel and leave the reduction
+        out: see `forms`) by timing the model's verify pass at M rows compiled under each,
+        round-robin: `verify(kernel)` is a call of it with every linear on `kernel`.
+
+        Only a whole graph shows what the reduction costs over several rows: there it fuses with
+        the norms, residuals and rotary around it, and a layer's kernels merge, which the chains
+        of lone linears cannot show, and which way that tips depends on the machine. pycoder's
+        verify of 4 rows, 2 threads, the two graphs round-robin in one process: on a 2-core AMD
+        EPYC (AVX2) the reduction's ran 8-12% faster (3.19-3.46 against 3.51-3.95 ms), on an
+        Intel Xeon (AVX-512) it cost 1.32x the tiled kernel's (an earlier build). Remembered
+        like the chains' timings; a compile of each graph the first time."""
+        if not 1 < M <= MAX_ROWS or not self.sets:
+            return
+        weights, rows = self.sets[0]
+        times = _kernel_ms(self.timing(weights, M, rows))
+        if min(times, key=times.get) != "tiled":
+            return
+        key = self._key(weights, M, rows, "verify graph")
+        graph = _load().get(key)
+        if graph is None:
+            ms = round_robin({k: verify(k) for k in ("tiled", "reduce")}, GRAPH_REPEATS)
+            graph = {k: s * 1e3 for k, s in ms.items()}
+            _store(key, graph)
+        self.in_graph[M] = graph
+
+    @staticmethod
+    def _key(weights: list[torch.Tensor], M: int, rows: torch.dtype | None, what: str = "") -> str:
+        """Where a measurement of `weights` at M rows is kept: machine, dtypes, shapes, kernels."""
         shapes = Counter(tuple(w.shape) for w in weights)
         digest = hashlib.sha256(repr(sorted(shapes.items())).encode()).hexdigest()[:12]
         w0 = weights[0]
         rows = rows or w0.dtype
         stored = "" if rows == w0.dtype else f" rows {rows}"
-        key = f"{machine()}|{w0.dtype}{stored}|{w0.device.type}|M={M}|{digest}|{_kernel_flags()}"
+        return f"{machine()}|{what + '|' if what else ''}{w0.dtype}{stored}|{w0.device.type}|M={M}|{digest}|{_kernel_flags()}"
+
+    def timing(self, weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> dict:
+        """Measured (or remembered) ms of all `weights` at M rows (of dtype `rows`, default the
+        weights') through each kernel."""
+        key = self._key(weights, M, rows)
         if key not in self.measured:
             cached = _load().get(key)
             if cached is None:
@@ -175,11 +218,12 @@ def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) 
     it compiles; the reduction up to the rows the pass unrolls, and at one row only where the
     tiled kernel runs.
 
-    Over several rows the chain times the reduction faster than it runs in a step's graph. On
-    pycoder (2 threads, the verify graph alone, the two kernels alternating in one process) it
-    cost 1.32x the tiled kernel's verify at 4 rows, 1.07x at 3 and 1.04x at 2, where the chain
-    had timed it 16% faster at 4 rows and 3% at 3. At one row the reduction fuses with the
-    norms around it, and wins in the step as in the chain."""
+    Over several rows a chain does not tell how the reduction runs in a step's graph, so there
+    the graph decides (`MatmulPlan.settle`). On pycoder (2 threads, an Intel Xeon, the verify
+    graph alone, the two kernels alternating in one process) it cost 1.32x the tiled kernel's
+    verify at 4 rows, 1.07x at 3 and 1.04x at 2, where the chain had timed it 16% faster at 4
+    rows and 3% at 3; on a 2-core AMD EPYC it ran 8-12% faster at 4 rows. At one row the
+    reduction fuses with the norms around it, and wins in the step as in the chain."""
     w0 = weights[0]
     tiled = ((rows or w0.dtype) == torch.float32 and w0.dtype in tiled_linear.WEIGHT_DTYPES
              and w0.device.type == "cpu" and tiled_linear.available()[0])
@@ -240,6 +284,11 @@ def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule
         outs.append(y.node)
     graph.output(outs)
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _kernel_ms(timing: dict) -> dict:
+    """kernel -> ms, from a measurement's `{"<kernel>_ms": ms}`."""
+    return {k: timing[f"{k}_ms"] for k in KERNELS if f"{k}_ms" in timing}
 
 
 def _load() -> dict:

@@ -168,6 +168,32 @@ class BuildContext:
         return Prefill("prefill", self.target.prefill, layout.slice(*(groups or ("target",))))
 
 
+SETTLE_CONTEXT = 200    # the context `_verify_call` verifies at
+SETTLE_BACKEND = "inductor"
+
+
+def _verify_call(ctx: BuildContext, kernel: str) -> Callable[[], object]:
+    """A call of the target's verify pass over the proposal's rows with every linear on
+    `kernel`, compiled by Inductor as the runtime compiles it, at a SETTLE_CONTEXT-token context
+    in the target's own KV buffers (nothing generates yet: a prefill overwrites what it
+    writes). What `MatmulPlan.settle` times."""
+    from specfx.matmul_choice import FixedPlan
+    from specfx.runtime.compile import SPAN, compile_graph
+    from specfx.runtime.generate import SPAN_ALIGN
+
+    gm = dataclasses.replace(ctx, pm=PassManager(), matmul=FixedPlan(kernel)).verify(name="settle")
+    kv = ctx.target.kv
+    B, W, device = ctx.batch_size, ctx.tree.size + 1, kv[0].device
+    last = min(SETTLE_CONTEXT, ctx.seq_len - W - 1)
+    span = min(ctx.seq_len, -(-(last + W) // SPAN_ALIGN) * SPAN_ALIGN)
+    values = {"input_ids": torch.zeros(B, W, dtype=torch.long, device=device),
+              "last": torch.full((B,), last, dtype=torch.long, device=device),
+              "span": torch.zeros(span, dtype=torch.uint8, device=device)}
+    args = [values[n.name] for n in [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]]
+    fn = compile_graph(gm, SETTLE_BACKEND, dynamic=SPAN)
+    return lambda: fn(*args, *kv)
+
+
 def tail_passes(matmul, buffers: list[str] | None = None) -> list[Pass]:
     """KV buffers as inputs, then (with a measured plan) the skinny-matmul rewrite."""
     return [ShareKVBuffers(buffers), *skinny_passes(matmul)]
@@ -237,6 +263,9 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
                            matmul=matmul)
     L = target.structure.num_layers
     ctx = BuildContext(pm, target, drafter, tree, seq_len, batch_size, chunk, model, matmul)
+    settle = getattr(matmul, "settle", None)          # a measured plan: the verify's kernel, timed in its graph
+    if settle is not None and ctx.tiled() and target.kv[0].device.type == "cpu":
+        settle(tree.size + 1, lambda kernel: _verify_call(ctx, kernel))
     try:
         drafting = builder(ctx)
     except PassError as e:

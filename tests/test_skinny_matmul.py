@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specfx
-from helpers import span, tiny_model
+from helpers import assert_greedy_equal, hf_greedy, span, tiny_model
 from specfx import matmul_choice
 from specfx.capture import capture
 from specfx.passes import Choice, SkinnyMatmul
@@ -163,6 +163,77 @@ def test_plan_chooses_by_the_stored_dtype_where_a_draft_shares_its_targets_shape
     assert plan(1, 8, 4, torch.float32).kernel == "reduce"
     assert plan(1, 8, 4, torch.int8).kernel == "tiled"
     assert plan(1, 8, 4).kernel == "reduce"                        # no dtype: the first set that holds the shape
+
+
+def test_the_verify_graph_settles_the_kernel_the_chains_cannot(tmp_path, monkeypatch):
+    """Over several rows the chains leave the reduction out; the model's verify graph, timed under
+    each kernel, decides for the model's own weights, once per machine, and for no other set."""
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": 2, "tiled_ms": 1.0, "blas_ms": 2.0})
+    graph_ms = {"tiled": 3.0, "reduce": 2.0}
+    clock = iter(range(10_000))
+    monkeypatch.setattr(matmul_choice.time, "perf_counter", lambda: next(clock))
+    built = []
+
+    def verify(kernel):                              # a call that takes graph_ms[kernel] ticks
+        built.append(kernel)
+        return lambda: [next(clock) for _ in range(int(graph_ms[kernel]) - 1)]
+
+    weights = [torch.randn(8, 4), torch.randn(4, 8)]
+    plan = matmul_choice.MatmulPlan(weights)
+    plan.include([w.to(torch.int8) for w in weights], rows=torch.float32)
+    assert plan(4, 8, 4, torch.float32).kernel == "tiled"           # the chains' choice, before
+    plan.settle(4, verify)
+    assert sorted(built) == ["reduce", "tiled"]
+    assert plan(4, 8, 4, torch.float32).kernel == "reduce"
+    assert "the model's verify at these rows took tiled 3000.00 ms, reduce 2000.00 ms: reduce" in plan(4, 8, 4).reason
+    assert plan(4, 8, 4, torch.int8).kernel == "tiled"              # another weight set: its chains decide
+    assert plan(2, 8, 4).kernel == "tiled"                          # another row count: not settled
+    plan.settle(1, verify)                                          # one row: the chains time the reduction
+    plan.settle(MAX_ROWS + 1, verify)                               # more than the reduction unrolls
+    assert len(built) == 2
+    # Remembered: a new process reads the graphs' timing instead of compiling them again.
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    again = matmul_choice.MatmulPlan(weights)
+    again.settle(4, lambda kernel: pytest.fail("timed again"))
+    assert again(4, 8, 4).kernel == "reduce"
+    # Where the chains already prefer another kernel, nothing is compiled.
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": 2, "tiled_ms": 3.0, "blas_ms": 2.0})
+    matmul_choice.MatmulPlan(weights).settle(3, lambda kernel: pytest.fail("no question to settle"))
+
+
+def test_build_settles_the_verify_width_on_the_verify_graph(tmp_path, monkeypatch):
+    """`build` asks a measured plan to settle the verify's width, and the verify it hands over
+    runs under the kernel asked for; the step's verify then takes the kernel the plan chose."""
+    from specfx import pipeline
+    from specfx.kernels import tiled_linear
+
+    if not tiled_linear.available()[0]:
+        pytest.skip(tiled_linear.available()[1])
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(matmul_choice.ENV, raising=False)
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": len(ws), "tiled_ms": 1.0,
+                                                                       "reduce_ms": 2.0, "blas_ms": 2.0})
+    monkeypatch.setattr(pipeline, "SETTLE_BACKEND", "eager")
+    ran = {}
+
+    def timed(calls, repeats):
+        for kernel, call in calls.items():
+            out = call()
+            ran[kernel] = out[0].shape
+        return {"tiled": 2e-3, "reduce": 1e-3}
+
+    monkeypatch.setattr(matmul_choice, "round_robin", timed)
+    model = tiny_model("llama", layers=2, seed=5)
+    fast = specfx.compile(model, draft="ngram:2", num_speculative_tokens=3, max_seq_len=32, backend="eager",
+                          skinny_matmul=True, warmup=False)
+    assert set(ran) == {"tiled", "reduce"} and all(shape[:2] == (1, 4) for shape in ran.values())
+    verify = fast.graphs.parts["verify"]
+    assert _count(verify, torch.ops.specfx.tiled_linear.default) == 0
+    prompt = torch.randint(3, 96, (1, 9))
+    assert_greedy_equal(model, fast.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12), 9)
 
 
 def test_a_fixed_plan_names_the_kernels_without_measuring(monkeypatch):
