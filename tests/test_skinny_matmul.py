@@ -198,9 +198,18 @@ def test_the_verify_graph_settles_the_kernel_the_chains_cannot(tmp_path, monkeyp
     again = matmul_choice.MatmulPlan(weights)
     again.settle(4, lambda kernel: pytest.fail("timed again"))
     assert again(4, 8, 4).kernel == "reduce"
+    # A verify graph that does not compile or run leaves the chains' choice, with a warning.
+    def broken(kernel):
+        raise RuntimeError("no compiler")
+
+    with pytest.warns(UserWarning, match="could not be timed"):
+        plan.settle(2, lambda kernel: broken(kernel) if kernel == "reduce" else verify(kernel))
+    with pytest.warns(UserWarning, match="could not be timed"):
+        plan.settle(3, broken)
+    assert plan(2, 8, 4).kernel == "tiled" and plan(3, 8, 4).kernel == "tiled"
     # Where the chains already prefer another kernel, nothing is compiled.
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": 2, "tiled_ms": 3.0, "blas_ms": 2.0})
-    matmul_choice.MatmulPlan(weights).settle(3, lambda kernel: pytest.fail("no question to settle"))
+    matmul_choice.MatmulPlan(weights).settle(5, lambda kernel: pytest.fail("no question to settle"))
 
 
 def test_build_settles_the_verify_width_on_the_verify_graph(tmp_path, monkeypatch):
