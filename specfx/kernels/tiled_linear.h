@@ -177,7 +177,45 @@ static inline __attribute__((always_inline)) void step(vf* acc, const float* x, 
 }
 
 // One weight row j of a tile read front to back into RM accumulators (x[i] . w[j] for i < RM),
-// stored where the tile's reduction expects them (accumulator bitrev(i * RN + j)).
+// stored where the tile's reduction expects them (accumulator bitrev(i * RN + j)). Under four
+// query rows each row's sum is split over CHAINS / RM accumulators along K (consecutive vectors
+// in turn, added together at the end), so that CHAINS multiply-adds are in flight: with one
+// chain a row every vector waits out the FMA's latency (4 cycles), which caps one query row at
+// 2 floats a cycle, below what the cache delivers and near what memory does. Four rows are four
+// chains already. (A C++ harness, two threads, a 2-core AMD EPYC, the kernels round-robin: an
+// int8 MTP head's 9 linears at one row, in cache, 164-168 us -> 102-117; pycoder's 85 float32
+// matrices at one row, from memory, 2.24 ms -> 2.06; one layer's at two rows 9% faster.)
+constexpr int CHAINS = 8;
+template <int RM, int C, typename TW>
+static inline __attribute__((always_inline)) void chains(vf* a, const float* x, const TW* wj, int K, int& k,
+                                                         const TW* pf) {
+  vf b[RM][C - 1];
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++)
+#pragma GCC unroll 16
+    for (int c = 0; c < C - 1; c++) b[i][c] = vf{};
+  for (; k + C * V <= K; k += C * V) {
+    if (pf) __builtin_prefetch(pf + k, 0, 2);
+    vf wv = loadw(wj + k);
+    SPECFX_IN_REGISTER(wv);
+#pragma GCC unroll 16
+    for (int i = 0; i < RM; i++) a[i] = fmadd(loadu(x + (std::size_t)i * K + k), wv, a[i]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C - 1; c++) {
+      const int kc = k + (c + 1) * V;
+      if (pf) __builtin_prefetch(pf + kc, 0, 2);
+      vf wc = loadw(wj + kc);
+      SPECFX_IN_REGISTER(wc);
+#pragma GCC unroll 16
+      for (int i = 0; i < RM; i++) b[i][c] = fmadd(loadu(x + (std::size_t)i * K + kc), wc, b[i][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RM; i++)
+#pragma GCC unroll 16
+    for (int c = 0; c < C - 1; c++) a[i] += b[i][c];
+}
+
 template <int RM, int RN, typename TW>
 static inline __attribute__((always_inline)) void row(vf* acc, const float* x, const TW* w, int j, int K,
                                                       const TW* pf) {
@@ -186,6 +224,7 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
   for (int i = 0; i < RM; i++) a[i] = vf{};
   const TW* wj = w + (std::size_t)j * K;
   int k = 0;
+  if constexpr (RM < 4) chains<RM, CHAINS / RM>(a, x, wj, K, k, pf);
   for (; k + V <= K; k += V) {
     if (pf) __builtin_prefetch(pf + k, 0, 2);
     vf wv = loadw(wj + k);
@@ -215,8 +254,13 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // against side by side for every tile: row by row,
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
+//
+// Each tile is a function of its own: the query rows are known only at run time in `block`, so
+// inlined there every tile's loops would share one function's registers, and the ones the
+// tiles of one and two rows take (see `row`) push the tile of four's row pointers to the stack
+// (an int8 head's 9 linears at 4 rows, in cache: 30% slower).
 template <int RM, int RN, typename TW, bool BY_ROW = (RM <= 2)>
-static inline void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
+static __attribute__((noinline)) void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
                         int K, int N, const TW* pf, int pf_rows, int rows = RM) {
   static_assert(RM * RN == V, "one accumulator per output lane");
   vf acc[V];
