@@ -304,10 +304,11 @@ class MTPDrafter(Drafter):
             hidden = _gather_rows(hidden, path)                       # [B, D+1, H]: the accepted path's
         put_rows(s.group("history")[0], positions, hidden)
         # Refill: the token after position p is emitted[p - last] for every kept p. Its row n
-        # (the new pending token over h at its predecessor) is the next step's draft 1.
-        refilled = self.refill(emitted, hidden, positions, s.span, *s.group("head"))
+        # (the new pending token over h at its predecessor) is the next step's draft 1, the
+        # refill's only output.
+        refilled = self.refill(emitted, hidden, positions, s.span, n[:, None], *s.group("head"))
         for i, buffer in enumerate(s.group("ahead")):                # logits, g
-            buffer.copy_(_gather_rows(refilled[i], n[:, None]))
+            buffer.copy_(refilled[i])
 
 
 class SpecStep(nn.Module):

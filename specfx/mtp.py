@@ -332,7 +332,10 @@ class StaticHead(nn.Module):
     `forward(input_ids [B, W], hidden [B, W, H], positions [B, W], span [L]) -> (logits [B, W, V], g [B, W, H])`
     (just `(g,)` with `with_logits = False`): row b's query j sits at head position
     `positions[b, j]` (the position of the hidden state it reads) and sees the head's cache
-    slots up to it.
+    slots up to it. Given `keep` [B, 1] too, the outputs are those of query `keep[b]` alone
+    (logits [B, 1, V], g [B, 1, H]): the refill writes the KV of every query but only one row
+    becomes a draft, and the lm_head over one row reads its weight once for a quarter of the
+    multiply-adds of four.
     """
 
     def __init__(self, target: nn.Module, head: nn.Module, batch_size: int, max_seq_len: int,
@@ -362,15 +365,17 @@ class StaticHead(nn.Module):
         """The head's KV buffers, as its graphs name them (`passes.ShareKVBuffers`)."""
         return [kv_name("k", 0), kv_name("v", 0)]
 
-    def forward(self, input_ids, hidden, positions, span):
+    def forward(self, input_ids, hidden, positions, span, keep=None):
         embeds = self.embed(input_ids)
         with attention.bind(self.config, positions, span, reduce=self.reduce_attention, tiled=self.tiled_attention):
             g = self.head(embeds, hidden.to(embeds.dtype), position_ids=positions,
                           position_embeddings=self.head.position_embeddings(self.parts, embeds, positions),
                           attention_mask=position_mask(positions, self.max_seq_len, embeds.dtype),
                           cache=_ScatterCache(self, positions))
-        if not self.with_logits:             # refill and prefill only write the head's KV
+        if not self.with_logits:             # the prefill only writes the head's KV
             return (g,)
+        if keep is not None:
+            g = g.gather(1, keep[:, :, None].expand(-1, -1, g.shape[-1]))
         return self.head.logits(self.parts, g), g
 
 

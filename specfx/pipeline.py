@@ -365,12 +365,14 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
     combiner = head.combiner(target_parts(model))
     layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1), ("ahead", 2)))
 
-    def cap(width: int, name: str, logits: bool = False, dynamic: bool = False) -> fx.GraphModule:
+    def cap(width: int, name: str, logits: bool = False, dynamic: bool = False, keep: bool = False) -> fx.GraphModule:
         B = ctx.batch_size
         static.with_logits = logits
         ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
         hidden = torch.zeros(B, width, hidden_size, dtype=param.dtype, device=param.device)
         args = (ids, hidden, static_positions(B, width, param.device), example_span(ctx.seq_len, param.device))
+        if keep:                                    # the one query whose outputs are kept: see StaticHead
+            args += (torch.zeros(B, 1, dtype=torch.long, device=param.device),)
         gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
         return pm.run_all(ctx.tail(static.kv_names()), gm, graph=name)
 
@@ -383,7 +385,7 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         return pm.run_all(skinny_passes(ctx.matmul), gm, graph=name)
 
     attach = lambda: ExposeHidden(head_hidden_size=hidden_size, taps=taps)  # noqa: E731
-    draft, refill = cap(1, "draft", logits=True), cap(ctx.tree.depth + 1, "refill", logits=True)
+    draft, refill = cap(1, "draft", logits=True), cap(ctx.tree.depth + 1, "refill", logits=True, keep=True)
     verify = ctx.verify([attach()])
     target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module
     history = torch.zeros(ctx.batch_size, ctx.seq_len, hidden_size, dtype=param.dtype, device=param.device)
