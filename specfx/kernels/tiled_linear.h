@@ -189,31 +189,25 @@ constexpr int CHAINS = 8;
 template <int RM, int C, typename TW>
 static inline __attribute__((always_inline)) void chains(vf* a, const float* x, const TW* wj, int K, int& k,
                                                          const TW* pf) {
-  vf b[RM][C - 1];
+  vf b[RM][C];
 #pragma GCC unroll 16
   for (int i = 0; i < RM; i++)
 #pragma GCC unroll 16
-    for (int c = 0; c < C - 1; c++) b[i][c] = vf{};
-  for (; k + C * V <= K; k += C * V) {
-    if (pf) __builtin_prefetch(pf + k, 0, 2);
-    vf wv = loadw(wj + k);
-    SPECFX_IN_REGISTER(wv);
+    for (int c = 0; c < C; c++) b[i][c] = vf{};
+  for (; k + C * V <= K; k += C * V)
 #pragma GCC unroll 16
-    for (int i = 0; i < RM; i++) a[i] = fmadd(loadu(x + (std::size_t)i * K + k), wv, a[i]);
-#pragma GCC unroll 16
-    for (int c = 0; c < C - 1; c++) {
-      const int kc = k + (c + 1) * V;
+    for (int c = 0; c < C; c++) {
+      const int kc = k + c * V;
       if (pf) __builtin_prefetch(pf + kc, 0, 2);
-      vf wc = loadw(wj + kc);
-      SPECFX_IN_REGISTER(wc);
+      vf wv = loadw(wj + kc);
+      SPECFX_IN_REGISTER(wv);
 #pragma GCC unroll 16
-      for (int i = 0; i < RM; i++) b[i][c] = fmadd(loadu(x + (std::size_t)i * K + kc), wc, b[i][c]);
+      for (int i = 0; i < RM; i++) b[i][c] = fmadd(loadu(x + (std::size_t)i * K + kc), wv, b[i][c]);
     }
-  }
 #pragma GCC unroll 16
   for (int i = 0; i < RM; i++)
 #pragma GCC unroll 16
-    for (int c = 0; c < C - 1; c++) a[i] += b[i][c];
+    for (int c = 0; c < C; c++) a[i] += b[i][c];
 }
 
 template <int RM, int RN, typename TW>
