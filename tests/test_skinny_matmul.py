@@ -79,7 +79,8 @@ def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
 def test_a_weight_stored_in_another_dtype_reaches_the_tiled_kernel_as_stored(dtype):
     """A draft's linears keep bfloat16 or int8 weights and widen them where they are read
     (`mtp.store_weights`): the pass hands the kernel the stored weight, not the widened copy,
-    and export's form widens it again."""
+    and export's form widens it again. Against int8 the kernel quantizes its rows as well
+    (`tiled_linear.quantized_reference`): the logits then move by the rows' rounding."""
     from specfx.mtp import store_weights
 
     model = tiny_model("llama", layers=2)
@@ -92,8 +93,9 @@ def test_a_weight_stored_in_another_dtype_reaches_the_tiled_kernel_as_stored(dty
     weights = [n.args[1].meta["val"] for n in calls if n.args[1].meta["val"].dim() == 2]
     assert [w.dtype for w in weights].count(dtype) == 2 * 7 and len(weights) == 15   # the lm_head: float32
     assert all(n.args[1].op == "get_attr" for n in calls if n.args[1].meta["val"].dtype == dtype)
-    torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(_run(strip_materialize(res.graph_module), ids, pos), ref, atol=1e-4, rtol=1e-4)
+    tol = dict(atol=3e-2 * ref.abs().max().item(), rtol=0) if dtype == torch.int8 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, **tol)
+    torch.testing.assert_close(_run(strip_materialize(res.graph_module), ids, pos), ref, **tol)
 
 
 def test_tiled_choice_falls_back_where_the_kernel_does_not_apply():

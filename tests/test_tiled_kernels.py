@@ -70,7 +70,7 @@ def test_stored_weights_are_widened_as_they_load(dtype, param):
     """A bfloat16 or int8 weight (a draft's, stored at half or a quarter of the bytes) reaches the
     kernel as stored, not converted to float32 in a kernel before it: the result is float32 rows
     times the widened weight, over each tile shape, a partial vector (K = 24) and rows past the
-    last block."""
+    last block; against int8, rows quantized as `quantized_reference` says, to the last bit."""
     from torch._inductor.utils import run_and_get_code
 
     V = tiled_linear.VERSION
@@ -79,9 +79,30 @@ def test_stored_weights_are_widened_as_they_load(dtype, param):
         x = torch.randn(M, 24)
         fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")
         out, code = run_and_get_code(fn, x, w)
-        torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-4)
+        if dtype == torch.int8:
+            torch.testing.assert_close(out, tiled_linear.quantized_reference(x, w), rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-4)
         assert param in "".join(code), "the weight was widened before the kernel"
-    torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, V), x @ w.float().T)            # eager
+    want = tiled_linear.quantized_reference(x, w) if dtype == torch.int8 else x @ w.float().T
+    torch.testing.assert_close(torch.ops.specfx.tiled_linear(x, w, V), want)                     # eager
+
+
+@pytest.mark.parametrize("K", [24, 37, 96, 320])
+def test_int8_weights_take_quantized_rows_summed_exactly(K):
+    """Against an int8 weight each row of x is quantized (scale: its largest magnitude over 127)
+    and the integer products summed exactly: the kernel equals `quantized_reference` to the last
+    bit (whole 32-wide steps and a remainder), a row of zeros gives zeros, and the result stays
+    within the rounding of x's integers of the product with the widened weight."""
+    V = tiled_linear.VERSION
+    w = torch.randint(-127, 128, (67, K), dtype=torch.int8)
+    x = torch.randn(4, K) * torch.tensor([[1.0], [1e-3], [0.0], [50.0]])
+    fn = compile_graph(fx.symbolic_trace(lambda x, w: torch.ops.specfx.tiled_linear(x, w, V)), "inductor")
+    out = fn(x, w)
+    torch.testing.assert_close(out, tiled_linear.quantized_reference(x, w), rtol=0, atol=0)
+    assert (out[2] == 0).all()
+    bound = (x.abs().amax(-1, keepdim=True) / 127 / 2) * w.float().abs().sum(-1)     # half a step a product
+    assert ((out - x @ w.float().T).abs() <= bound + 1e-4).all()
 
 
 def test_shapes_the_kernels_do_not_take_are_refused():

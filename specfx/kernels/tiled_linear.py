@@ -11,7 +11,7 @@
   attention over a span of cached keys and values, each head's scores, masked softmax and
   weighted values in one pass of one thread; compiled, `attend` in `tiled_attend.h`.
 - Run eagerly (the eager backend, torch.export) they are `F.linear` / `torch.matmul` (and
-  `attend_reference`). Compiled,
+  `attend_reference`, `quantized_reference` for an int8 weight). Compiled,
   the kernel is defined in the graph's own C++ source and called from its wrapper like
   Inductor's generated kernels: no dispatcher call, no Python, and the graph keeps its buffers
   on the stack (`runtime.compile`). K, D and the batch are fixed in the code; the rows M and
@@ -27,7 +27,7 @@
 Their last argument is `VERSION`, a hash of the headers and of this module (the lowerings), so
 that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only
 (`tiled_linear` also takes a bfloat16 or int8 weight: a draft's weights, stored at half or a
-quarter of the bytes).
+quarter of the bytes; against int8 it quantizes x's rows too, `quantized_reference`).
 """
 
 from __future__ import annotations
@@ -62,11 +62,25 @@ _TWO = ["const float* X", "const float* W"]
 @torch.library.custom_op("specfx::tiled_linear", mutates_args=())
 def tiled_linear(x: torch.Tensor, w: torch.Tensor, version: int) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N]; batched: x [B, M, K], w [B, N, K] -> [B, M, N]. A 2-D
-    weight may be bfloat16 or int8 (x and the result stay float32): the kernel widens it as it
-    loads."""
+    weight may be bfloat16, which the kernel widens as it loads, or int8, against which x's rows
+    are quantized too (`quantized_reference`); x and the result stay float32."""
+    if w.dtype == torch.int8:
+        return quantized_reference(x, w)
     if w.dim() == 2:
         return F.linear(x, w.to(x.dtype))
     return torch.matmul(x, w.transpose(-1, -2))
+
+
+def quantized_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`tiled_linear` of float32 rows x [..., K] and an int8 weight w [N, K], as the kernel
+    computes it, to the last bit (see `linear_q8` in the header): each row quantized to integers
+    in [-127, 127] (x / s rounded half to even, s its largest magnitude over 127, or 1), the
+    products with w summed exactly (float64 holds every such sum), then rounded to float32 and
+    scaled by s."""
+    top = x.abs().amax(-1, keepdim=True)
+    s = torch.where(top > 0, top / 127, torch.ones_like(top))
+    q = (x * (1 / s)).round().clamp(-127, 127)
+    return (q.double() @ w.double().T).float() * s
 
 
 @tiled_linear.register_fake
