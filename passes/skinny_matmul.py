@@ -140,7 +140,7 @@ def _tiled_fits(node: fx.Node) -> bool:
 def _stored_weight(node: fx.Node) -> fx.Node:
     """The linear's weight as stored: a bfloat16 or int8 weight widened to float32 where the graph
     reads it (`w.to(float32)`, a draft's weights kept at half or a quarter of the bytes) is the
-    stored one, which the tiled kernel widens as it loads; any other weight is itself."""
+    stored one, which the tiled kernel reads as stored; any other weight is itself."""
     w = node.args[1]
     widen = w.op == "call_function" and w.target in (aten.to.dtype, aten._to_copy.default)
     if widen and w.args[0].meta.get("val") is not None and w.args[0].meta["val"].dtype in (torch.bfloat16, torch.int8):

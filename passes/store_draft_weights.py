@@ -36,7 +36,8 @@ class StoreDraftWeights(Pass):
     def call(self, gm: fx.GraphModule) -> PassResult:
         """Each linear over a weight W of the model becomes linear(x, stored.to(W's dtype)) *
         scale (+ bias), stored and scale from `tiled_linear.store_rows`: the skinny-matmul pass
-        hands `stored` to the tiled kernel, which widens it as it loads. The drafts' KV and exit
+        hands `stored` to the tiled kernel, which reads it as stored (and quantizes the rows it
+        multiplies into int8 too: `tiled_linear.quantized_reference`). The drafts' KV and exit
         hidden states are then not the model's: the verify pass must run every layer over the
         drafts (`EarlyExit`, weights stored), writing the model's KV over the drafts'. Only the
         drafts can change."""

@@ -144,7 +144,8 @@ class MTPHead:
         """The dtype the head's weights (and its copy of the target's lm_head) are stored in for
         drafting, None for the target's own. Drafts only propose (verification keeps the output
         the target's), so they may read fewer bytes: `weights_dtype` "int8" (each row's integers
-        times its scale, `mtp.StoredLinear`) or "bfloat16", widened as they are read; "target"
+        times its scale, `mtp.StoredLinear`, multiplied by rows quantized to int8 too) or
+        "bfloat16", widened as they are read; "target"
         keeps the target's. None takes int8 where `tiled` (the few-row kernel, which reads int8
         as it is, runs the head: the CPU with a float32 target) and the target's elsewhere.
 

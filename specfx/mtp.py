@@ -294,7 +294,8 @@ def load_head(path: str | Path, target: nn.Module) -> nn.Module:
 class StoredLinear(nn.Module):
     """A linear whose weight is stored in another dtype (a draft's weights at half or a quarter
     of the bytes) and widened to its input's dtype where it is read: the skinny-matmul pass hands
-    the stored weight to the tiled kernel, which widens it as it loads.
+    the stored weight to the tiled kernel, which widens a bfloat16 weight as it loads and, against
+    int8, quantizes its rows too (`tiled_linear.quantized_reference`).
 
     bfloat16 keeps the weight rounded; int8 keeps each row as integers in [-127, 127] times the
     row's scale (its largest magnitude over 127), applied to the product's columns."""
