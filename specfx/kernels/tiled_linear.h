@@ -17,7 +17,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -70,21 +69,7 @@ static inline vf loadw(const uint16_t* p) {
   return v;
 #endif
 }
-// int8 (a draft's weights at a quarter of the bytes, each row scaled after the product: see
-// `mtp.StoredLinear`) widened to float32 on load.
-static inline vf loadw(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  vf v;
-  for (int l = 0; l < V; l++) v[l] = (float)p[l];
-  return v;
-#endif
-}
 static inline float widen(float w) { return w; }
-static inline float widen(int8_t w) { return (float)w; }
 static inline float widen(uint16_t w) {
   unsigned bits = (unsigned)w << 16;
   float f;
@@ -342,7 +327,8 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
   for (; m < M; m++, pass++) tile<1, V>(x + (std::size_t)m * K, wn, y + (std::size_t)m * N + n, K, N, pf(0, 1), pf_rows(0, 1));
 }
 
-// Int8 weights (a draft's: see `loadw`) take int8 rows too. Each query row is quantized as the
+// Int8 weights (a draft's at a quarter of the bytes, each row scaled after the product: see
+// `mtp.StoredLinear`) take int8 rows too. Each query row is quantized as the
 // weights' rows are: q = x / s rounded to the nearest integer (ties to even), s its largest
 // magnitude over 127 (1 for a row of zeros); a weight row's products with q are summed as
 // integers, exactly, and y = float(sum) * s. AVX2 multiplies 32 int8 pairs an instruction
@@ -438,17 +424,19 @@ static void linear_q8(long M, const float* x, const int8_t* w, float* y, long N,
   }
 }
 
+// `linear` (below) over int8 weights, batch by batch through `linear_q8`.
+static void linear(long M, const float* x, const int8_t* w, float* y, int batches, long N, int K, long wb,
+                   int threads) {
+  for (int b = 0; b < batches; b++)
+    linear_q8(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, N, K, threads);
+}
+
 // Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
 // batches wb apart (a slice of a KV cache: wb is the cache's length times K). Threads split the
 // (batch, block) pairs. M is a constant in a step's graph, a prefill's width in a prefill's.
 template <typename TW>
 static void linear(long M, const float* x, const TW* w, float* y, int batches, long N, int K, long wb,
                    int threads) {
-  if constexpr (std::is_same_v<TW, int8_t>) {
-    for (int b = 0; b < batches; b++)
-      linear_q8(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, N, K, threads);
-    return;
-  }
   const long blocks = N / V, tasks = batches * blocks, Mp = padded(M);
   const float* xp = x;
   if (Mp != M) {                                    // each batch's rows, then its last row again
