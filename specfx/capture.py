@@ -9,8 +9,9 @@
   unlifted `fx.GraphModule` (`forward(input_ids [B, W], positions [B, W], span [L]) -> logits
   [B, W, V]`) with its `StructureMap` (see `specfx.passes.find_structure`). Attention reads
   cache slots 0..L-1; L, the length of `span`, is the graph's one dynamic size (see
-  `specfx.attention`). Each export is kept per model (as long as the model lives, while its
-  parameters and config stay the same) and a later capture of the same shapes gets a copy.
+  `specfx.attention`). Each export is kept, and a later capture of the same shapes gets a copy:
+  of the same model, or of another of the same structure (class, config, modules' settings,
+  tensors' names, shapes and dtypes; the copy reads that model's own tensors).
 
 Any model whose forward accepts `input_ids, position_ids, attention_mask (4-D, additive),
 past_key_values, use_cache`, calls `cache.update(k, v, layer_idx)` and runs its attention through
@@ -23,11 +24,15 @@ Eval-mode dropouts are removed from the graphs (identities that FX would keep as
 
 from __future__ import annotations
 
+import enum
+import types
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from transformers import GenerationConfig
 from transformers.cache_utils import Cache
 
 from specfx import attention
@@ -191,9 +196,16 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     `explicit_mask` the graph takes the KV slots to write and the visibility mask as inputs
     (`forward(input_ids, positions, span, slots, visible)`, as a verify graph does)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
+    kv = decoder.kv(0)[0]
     key = (width, batch_size, max_seq_len, dynamic_width, explicit_mask, decoder.reduce_attention,
-           decoder.tiled_attention, _fingerprint(model))
+           decoder.tiled_attention, kv.dtype, kv.device, _fingerprint(model))
     models = _captures.setdefault(model, {})
+    if key not in models:
+        for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
+            del models[stale]
+    if key not in models and key in _shared:                     # the same structure, another model
+        models[key] = _shared[key]
+        _shared.move_to_end(key)
     if key not in models:
         device = decoder.kv(0)[0].device
         ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
@@ -201,11 +213,12 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
         args = (ids, pos, example_span(max_seq_len, device))
         if explicit_mask:
             args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
-        for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
-            del models[stale]
         exported = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
         models[key] = _Captured(_bare(exported.graph), {t: _attr(exported, t) for t in _targets(exported.graph)
                                                         if _attr(decoder, t) is None})
+        _shared[key] = models[key]
+        while len(_shared) > _SHARED_MAX:
+            _shared.popitem(last=False)
     gm = _copy(models[key], decoder)
     try:
         structure = find_structure(gm)
@@ -225,8 +238,20 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
 # model changed since is exported anew.
 _captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Captured]] = weakref.WeakKeyDictionary()
 
+# The same graphs, shared between models of one structure (`_structure`): a graph reads every
+# parameter and buffer by its path, so a model that differs only in its tensors' values (another
+# checkpoint of the architecture, another seed) gets a copy over its own tensors. The most
+# recent `_SHARED_MAX` keys.
+_shared: OrderedDict[tuple, _Captured] = OrderedDict()
+_SHARED_MAX = 64
+
 
 def _fingerprint(model: nn.Module) -> tuple:
+    """The model's structure (`_structure`), where it has one that another model can share;
+    else its tensors and modules by identity, and its config."""
+    shared = _structure(model)
+    if shared is not None:
+        return shared
     tensors = tuple((name, id(t), t.data_ptr(), t.shape, t.dtype, t.device)
                     for name, t in (*model.named_parameters(remove_duplicate=False),
                                     *model.named_buffers(remove_duplicate=False)))
@@ -234,6 +259,67 @@ def _fingerprint(model: nn.Module) -> tuple:
                      tuple(m._forward_hooks)) for name, m in model.named_modules(remove_duplicate=False))
     config = getattr(model, "config", None)
     return tensors, modules, config.to_json_string() if hasattr(config, "to_json_string") else None
+
+
+_SIMPLE = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
+_MODULE_STATE = frozenset(vars(nn.Module()))         # nn.Module's own bookkeeping (hooks: below)
+
+
+_UNKNOWN = object()
+
+
+def _plain(value):
+    """A module setting as a comparable value, or `_UNKNOWN`: plain values, configs (as JSON),
+    containers of those, and functions and classes (by name, where they are not bound to an
+    object of their own)."""
+    if isinstance(value, _SIMPLE):
+        return value
+    if hasattr(value, "to_json_string"):
+        return value.to_json_string()
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = tuple(_plain(v) for v in value)
+        return _UNKNOWN if _UNKNOWN in items else (type(value).__name__, tuple(sorted(items, key=repr))
+                                                   if isinstance(value, (set, frozenset)) else items)
+    if isinstance(value, dict):
+        items = tuple((_plain(k), _plain(v)) for k, v in value.items())
+        return _UNKNOWN if any(_UNKNOWN in kv for kv in items) else ("dict", tuple(sorted(items, key=repr)))
+    if (callable(value) and not isinstance(value, torch.Tensor)
+            and isinstance(getattr(value, "__self__", None), (type(None), types.ModuleType))):
+        return repr(value)
+    return _UNKNOWN
+
+
+def _structure(model: nn.Module) -> tuple | None:
+    """All that an export of `model` depends on but its tensors' values: its class, config (with
+    the private settings `to_json_string` leaves out, such as the attention implementation),
+    every module's class, mode and plain settings, every parameter's and buffer's name, shape,
+    stride, dtype and device, and which names are one tensor (tied weights share a path in the
+    graph). None where a model has what no other model can match: a hook, a forward set on an
+    instance, or a setting that is not a plain value (a tensor outside the parameters and
+    buffers, an arbitrary object)."""
+    config = getattr(model, "config", None)
+    if config is not None and not hasattr(config, "to_json_string"):
+        return None
+    first: dict[int, int] = {}
+    tensors = tuple((name, tuple(t.shape), t.stride(), t.dtype, t.device, first.setdefault(id(t), i))
+                    for i, (name, t) in enumerate((*model.named_parameters(remove_duplicate=False),
+                                                   *model.named_buffers(remove_duplicate=False))))
+    modules = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if m._forward_pre_hooks or m._forward_hooks or "forward" in vars(m):
+            return None
+        settings = []
+        for attr, value in vars(m).items():
+            if attr in _MODULE_STATE or isinstance(value, (nn.Module, GenerationConfig)):
+                continue
+            value = _plain(value)
+            if value is _UNKNOWN:
+                return None
+            settings.append((attr, value))
+        modules.append((name, type(m), m.training, tuple(settings)))
+    private = {k: repr(v) for k, v in vars(config).items() if k.startswith("_")} if config is not None else {}
+    return (type(model), config.to_json_string() if config is not None else None, tuple(sorted(private.items())),
+            tensors, tuple(modules))
 
 
 @dataclass

@@ -104,8 +104,10 @@ def test_model_without_kv_cache_names_the_missing_part():
 def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     """A second compile of one model copies its exported graphs instead of exporting again; the
     two compiled models keep KV caches of their own (generating with one between the other's
-    calls changes nothing), a model changed in between is exported anew, and the cache holds
-    none of the model's tensors and lets the model go."""
+    calls changes nothing). A model of the same structure with other weights (a replaced
+    weight, another seed) gets copies over its own tensors; one whose structure differs (weights
+    tied, a hook) is exported anew. The cache holds none of the model's tensors and lets the
+    model go."""
     import gc
     import weakref
 
@@ -116,12 +118,17 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     exports = []
     real = capture_module.export_graph
     monkeypatch.setattr(capture_module, "export_graph", lambda *a, **kw: exports.append(1) or real(*a, **kw))
+    monkeypatch.setattr(capture_module, "_shared", type(capture_module._shared)())
     model = tiny_model("llama", layers=2)
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     ref = hf_greedy(model, ids, 12)
-    first = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+
+    def compile(m):
+        return specfx.compile(m, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+
+    first = compile(model)
     exported = len(exports)
-    second = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
+    second = compile(model)
     assert len(exports) == exported > 0
     other = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     out = first.generate(ids[:, :5], max_new_tokens=3)            # first's cache half filled
@@ -130,11 +137,25 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     torch.testing.assert_close(first.generate(ids, max_new_tokens=12), ref, rtol=0, atol=0)
     assert out.shape[1] == 8
 
-    with torch.no_grad():                                        # a replaced weight: exported anew
+    with torch.no_grad():                                  # a replaced weight: the same graphs
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.flip(0))
-    third = specfx.compile(model, draft="early-exit:1", num_speculative_tokens=2, backend="eager", max_seq_len=48)
-    assert len(exports) == 2 * exported
+    third = compile(model)
+    twin = tiny_model("llama", layers=2, seed=7)           # another model of the structure: the same
+    fourth = compile(twin)
+    assert len(exports) == exported
     torch.testing.assert_close(third.generate(ids, max_new_tokens=12), hf_greedy(model, ids, 12), rtol=0, atol=0)
+    torch.testing.assert_close(fourth.generate(ids, max_new_tokens=12), hf_greedy(twin, ids, 12), rtol=0, atol=0)
+
+    tied = tiny_model("llama", layers=2, seed=8)           # tied weights read one path: exported anew
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    torch.testing.assert_close(compile(tied).generate(ids, max_new_tokens=12), hf_greedy(tied, ids, 12),
+                               rtol=0, atol=0)
+    assert len(exports) == 2 * exported
+    hooked = tiny_model("llama", layers=2, seed=9)         # a hook: its own graphs, never shared
+    hooked.model.norm.register_forward_hook(lambda m, args, out: out * 2)
+    torch.testing.assert_close(compile(hooked).generate(ids, max_new_tokens=12), hf_greedy(hooked, ids, 12),
+                               rtol=0, atol=0)
+    assert len(exports) == 3 * exported
 
     ours = {id(t) for t in (*model.parameters(), *model.buffers())}            # the cache holds none
     cached = capture_module._captures[model].values()
