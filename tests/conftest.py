@@ -22,6 +22,13 @@ elif not os.environ.get("OMP_NUM_THREADS"):
 os.environ.setdefault("SPECFX_MATMUL", "1:reduce,tiled")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (Inductor compiles, the embedded model) first, in their order: under
+    pytest-xdist the workers then finish on short tests together, instead of one waiting out
+    another's compile of a minute or two at the end of the run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def pycoder():
     from specfx import zoo

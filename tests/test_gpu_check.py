@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from specfx import gpu_bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +20,8 @@ def _read(out: Path) -> dict:
     return json.loads((out / "gpu_bench.json").read_text())
 
 
-def test_dry_run_of_the_script_records_every_section_with_a_status(tmp_path):
+@pytest.mark.slow
+def test_dry_run_of_the_script_records_every_section_with_a_status(tmp_path):  # the embedded model's drafters
     r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
                        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
