@@ -24,6 +24,7 @@ Eval-mode dropouts are removed from the graphs (identities that FX would keep as
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import types
 import weakref
@@ -391,17 +392,22 @@ def export_graph(module: nn.Module, args: tuple, *, span_arg: int | None = None,
         width = torch.export.Dim.DYNAMIC(min=2, max=args[width_args[0]].shape[1]) if width_args else None
         dynamic = tuple({0: span} if i == span_arg else {1: width} if i in width_args else None
                         for i in range(len(args)))
-    # Without each node's Python stack trace (collected and symbolized per traced op: about a
-    # sixth of an export's time); nothing downstream reads it.
+    with warnings.catch_warnings(), torch.no_grad(), without_stack_traces():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+    return _plain_graph(ep.module())
+
+
+@contextlib.contextmanager
+def without_stack_traces():
+    """Tracing that records no Python stack trace per node (collected and symbolized for every
+    traced op: about a sixth of an export's time); nothing specfx runs reads them."""
     traces = getattr(fx.config, "do_not_emit_stack_traces", False)
     fx.config.do_not_emit_stack_traces = True
     try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename
-            ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+        yield
     finally:
         fx.config.do_not_emit_stack_traces = traces
-    return _plain_graph(ep.module())
 
 
 def _span_max(module: nn.Module) -> int:

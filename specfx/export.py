@@ -46,6 +46,7 @@ from torch import fx, nn
 from specfx import __version__
 from specfx.artifact import (FORMAT_VERSION, LOADABLE, MANIFEST, WEIGHTS, LoadedModel, dtype_name, load_artifact,
                              read_manifest, sha256)
+from specfx.capture import without_stack_traces
 from specfx.passes.skinny_matmul import strip_materialize
 from specfx.runtime.compile import CPU_INDUCTOR
 from specfx.runtime.state import STEP_INPUTS
@@ -135,7 +136,8 @@ def export_programs(graphs) -> dict[str, tuple[torch.export.ExportedProgram, dic
     for name, (gm, args, info) in _programs(graphs).items():
         lean = _lean(gm)
         shapes = _span_dynamic(lean, args, graphs.state, width=info["role"] == "prefill")
-        out[name] = (torch.export.export(lean, args, dynamic_shapes=shapes, strict=False), info)
+        with without_stack_traces():
+            out[name] = (torch.export.export(lean, args, dynamic_shapes=shapes, strict=False), info)
     return out
 
 
