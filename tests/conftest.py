@@ -39,29 +39,34 @@ def pycoder():
 @pytest.fixture(scope="session")
 def pycoder_references(pycoder, tmp_path_factory):
     """(prompt ids, plain greedy `model.generate` output, 32 new tokens) for every evaluation
-    prompt of the zoo model. Under pytest-xdist the first worker to ask computes them and the
-    others read its file (the run's shared temporary folder, behind a lock)."""
-    from filelock import FileLock
+    prompt of the zoo model. Under pytest-xdist the workers share the work: each prompt's
+    reference is one file in the run's shared temporary folder, written by the first worker to
+    take its lock; a worker computes the prompts no other has taken, then waits for the rest."""
+    from filelock import FileLock, Timeout
 
     from specfx import zoo
 
     model, tok = pycoder
+    prompts = [tok(text, return_tensors="pt").input_ids for text in zoo.prompts("completion")]
 
-    def compute():
-        out = []
-        for text in zoo.prompts("completion"):
-            ids = tok(text, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out.append((ids, model.generate(ids, max_new_tokens=32, do_sample=False,
-                                                pad_token_id=tok.pad_token_id)))
-        return out
+    def reference(ids):
+        with torch.no_grad():
+            return ids, model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return compute()
-    shared = tmp_path_factory.getbasetemp().parent / "pycoder_references.pt"     # this run's, per worker above
-    with FileLock(f"{shared}.lock"):
-        if shared.is_file():
-            return torch.load(shared)
-        out = compute()
-        torch.save(out, shared)
-        return out
+        return [reference(ids) for ids in prompts]
+    shared = tmp_path_factory.getbasetemp().parent                 # this run's, per worker above
+    out = [None] * len(prompts)
+    for wait in (False, True):                                     # the free prompts first
+        for i, ids in enumerate(prompts):
+            if out[i] is not None:
+                continue
+            path = shared / f"pycoder_reference_{i}.pt"
+            try:
+                with FileLock(f"{path}.lock", timeout=-1 if wait else 0):
+                    if not path.is_file():
+                        torch.save(reference(ids), path)
+                    out[i] = torch.load(path)
+            except Timeout:                                        # another worker computes it
+                pass
+    return out
