@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import types
+import functools
+import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -271,8 +272,10 @@ _UNKNOWN = object()
 
 def _plain(value):
     """A module setting as a comparable value, or `_UNKNOWN`: plain values, configs (as JSON),
-    containers of those, and functions and classes (by name, where they are not bound to an
-    object of their own)."""
+    containers and partials of those, modules without tensors or hooks kept outside the module
+    tree (by class and settings), and functions and classes that their module's namespace holds
+    by their name (not a lambda or closure made per model, whose captured values a name would
+    not tell apart)."""
     if isinstance(value, _SIMPLE):
         return value
     if hasattr(value, "to_json_string"):
@@ -284,9 +287,22 @@ def _plain(value):
     if isinstance(value, dict):
         items = tuple((_plain(k), _plain(v)) for k, v in value.items())
         return _UNKNOWN if any(_UNKNOWN in kv for kv in items) else ("dict", tuple(sorted(items, key=repr)))
-    if (callable(value) and not isinstance(value, torch.Tensor)
-            and isinstance(getattr(value, "__self__", None), (type(None), types.ModuleType))):
-        return repr(value)
+    if isinstance(value, nn.Module):      # held outside the module tree: a stateless one only
+        if (value._parameters or value._buffers or value._modules or value._forward_hooks
+                or value._forward_pre_hooks or "forward" in vars(value)):
+            return _UNKNOWN
+        settings = tuple((a, _plain(v)) for a, v in vars(value).items() if a not in _MODULE_STATE)
+        return _UNKNOWN if any(v is _UNKNOWN for _, v in settings) else (type(value), value.training, settings)
+    if isinstance(value, functools.partial):
+        parts = (_plain(value.func), _plain(value.args), _plain(value.keywords))
+        return _UNKNOWN if _UNKNOWN in parts else ("partial", parts)
+    module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if callable(value) and isinstance(module, str) and isinstance(name, str):
+        found = sys.modules.get(module)
+        for part in name.split("."):
+            found = getattr(found, part, None)
+        if found is value:
+            return f"{module}.{name}"
     return _UNKNOWN
 
 
@@ -311,15 +327,18 @@ def _structure(model: nn.Module) -> tuple | None:
             return None
         settings = []
         for attr, value in vars(m).items():
-            if attr in _MODULE_STATE or isinstance(value, (nn.Module, GenerationConfig)):
+            if attr in _MODULE_STATE or isinstance(value, GenerationConfig):
                 continue
             value = _plain(value)
             if value is _UNKNOWN:
                 return None
             settings.append((attr, value))
         modules.append((name, type(m), m.training, tuple(settings)))
-    private = {k: repr(v) for k, v in vars(config).items() if k.startswith("_")} if config is not None else {}
-    return (type(model), config.to_json_string() if config is not None else None, tuple(sorted(private.items())),
+    private = () if config is None else tuple(sorted((k, _plain(v)) for k, v in vars(config).items()
+                                                     if k.startswith("_")))
+    if any(v is _UNKNOWN for _, v in private):
+        return None
+    return (type(model), config.to_json_string() if config is not None else None, private,
             tensors, tuple(modules))
 
 

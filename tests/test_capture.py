@@ -106,8 +106,8 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     two compiled models keep KV caches of their own (generating with one between the other's
     calls changes nothing). A model of the same structure with other weights (a replaced
     weight, another seed) gets copies over its own tensors; one whose structure differs (weights
-    tied, a hook) is exported anew. The cache holds none of the model's tensors and lets the
-    model go."""
+    tied, a hook, a module's setting) is exported anew. The cache holds none of the model's
+    tensors and lets the model go."""
     import gc
     import weakref
 
@@ -156,6 +156,11 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     torch.testing.assert_close(compile(hooked).generate(ids, max_new_tokens=12), hf_greedy(hooked, ids, 12),
                                rtol=0, atol=0)
     assert len(exports) == 3 * exported
+    scaled = tiny_model("llama", layers=2, seed=10)        # a module's setting: exported anew
+    scaled.model.layers[0].self_attn.scaling *= 0.5
+    torch.testing.assert_close(compile(scaled).generate(ids, max_new_tokens=12), hf_greedy(scaled, ids, 12),
+                               rtol=0, atol=0)
+    assert len(exports) == 4 * exported
 
     ours = {id(t) for t in (*model.parameters(), *model.buffers())}            # the cache holds none
     cached = capture_module._captures[model].values()
