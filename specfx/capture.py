@@ -209,7 +209,7 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
         models[key] = _shared[key]
         _shared.move_to_end(key)
     if key not in models:
-        device = decoder.kv(0)[0].device
+        device = kv.device
         ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
         pos = static_positions(batch_size, width, device)
         args = (ids, pos, example_span(max_seq_len, device))
@@ -235,9 +235,9 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
 # tiny model, several on a large one), and the passes only ever rewrite a copy (over the
 # parameters of the model and the KV buffers of the capture's decoder: the cache keeps no tensor
 # of the model's, so nothing it holds can keep the weights alive). A key holds the
-# capture's arguments and the model's fingerprint (its modules by identity, mode, forward and
-# hooks, its parameters and buffers by identity, storage, shape and dtype, and its config): a
-# model changed since is exported anew.
+# capture's arguments and the model's fingerprint (`_fingerprint`: its structure where another
+# model can share it, else its modules and tensors by identity): a model changed since is
+# exported anew.
 _captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Captured]] = weakref.WeakKeyDictionary()
 
 # The same graphs, shared between models of one structure (`_structure`): a graph reads every
@@ -288,11 +288,10 @@ def _plain(value):
         items = tuple((_plain(k), _plain(v)) for k, v in value.items())
         return _UNKNOWN if any(_UNKNOWN in kv for kv in items) else ("dict", tuple(sorted(items, key=repr)))
     if isinstance(value, nn.Module):      # held outside the module tree: a stateless one only
-        if (value._parameters or value._buffers or value._modules or value._forward_hooks
-                or value._forward_pre_hooks or "forward" in vars(value)):
+        if value._parameters or value._buffers or value._modules:
             return _UNKNOWN
-        settings = tuple((a, _plain(v)) for a, v in vars(value).items() if a not in _MODULE_STATE)
-        return _UNKNOWN if any(v is _UNKNOWN for _, v in settings) else (type(value), value.training, settings)
+        settings = _settings(value)
+        return _UNKNOWN if settings is _UNKNOWN else (type(value), value.training, settings)
     if isinstance(value, functools.partial):
         parts = (_plain(value.func), _plain(value.args), _plain(value.keywords))
         return _UNKNOWN if _UNKNOWN in parts else ("partial", parts)
@@ -304,6 +303,17 @@ def _plain(value):
         if found is value:
             return f"{module}.{name}"
     return _UNKNOWN
+
+
+def _settings(m: nn.Module):
+    """A module's own settings (its attributes past nn.Module's bookkeeping) as `_plain`
+    values, or `_UNKNOWN` where one is not plain or the module has a hook or a forward of its
+    own (which no other module can match)."""
+    if m._forward_pre_hooks or m._forward_hooks or "forward" in vars(m):
+        return _UNKNOWN
+    settings = tuple((attr, _plain(value)) for attr, value in vars(m).items()
+                     if attr not in _MODULE_STATE and not isinstance(value, GenerationConfig))
+    return _UNKNOWN if any(v is _UNKNOWN for _, v in settings) else settings
 
 
 def _structure(model: nn.Module) -> tuple | None:
@@ -323,17 +333,10 @@ def _structure(model: nn.Module) -> tuple | None:
                                                    *model.named_buffers(remove_duplicate=False))))
     modules = []
     for name, m in model.named_modules(remove_duplicate=False):
-        if m._forward_pre_hooks or m._forward_hooks or "forward" in vars(m):
+        settings = _settings(m)
+        if settings is _UNKNOWN:
             return None
-        settings = []
-        for attr, value in vars(m).items():
-            if attr in _MODULE_STATE or isinstance(value, GenerationConfig):
-                continue
-            value = _plain(value)
-            if value is _UNKNOWN:
-                return None
-            settings.append((attr, value))
-        modules.append((name, type(m), m.training, tuple(settings)))
+        modules.append((name, type(m), m.training, settings))
     private = () if config is None else tuple(sorted((k, _plain(v)) for k, v in vars(config).items()
                                                      if k.startswith("_")))
     if any(v is _UNKNOWN for _, v in private):
