@@ -11,8 +11,10 @@ from specfx.kernels import tiled_linear
 from specfx.runtime.compile import compile_graph
 
 # (M, N, K): every query-row remainder (tiles of 4, 2, 1), weight rows in whole blocks of 16 and
-# past them (and fewer than a block), K in whole vectors and not.
-SHAPES = [(1, 64, 64), (2, 37, 40), (3, 8, 16), (4, 96, 33), (5, 100, 333), (7, 48, 320), (16, 160, 80), (17, 20, 24)]
+# past them (and fewer than a block), K in whole vectors and not; a verify's 3 or 4 rows over
+# short weight rows (read one after another under AVX2) and long ones (side by side).
+SHAPES = [(1, 64, 64), (2, 37, 40), (3, 8, 16), (4, 96, 33), (5, 100, 333), (7, 48, 320), (16, 160, 80), (17, 20, 24),
+          (4, 40, 524), (3, 21, 864)]
 
 
 def _graph(n: int) -> fx.GraphModule:

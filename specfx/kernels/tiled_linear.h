@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // the first of `pf_rows` (at most RN) rows, K apart, that this thread reads next, prefetched
 // alongside w. Tiles of one or two query rows read their weight rows one after another, each
 // front to back (a plain stream, which the hardware prefetches too); tiles of four read their
-// weight rows side by side, as one pass of V products per step (but see FOUR_BY_ROW).
+// weight rows side by side, as one pass of V products per step (but see FOUR_BY_ROW_BELOW).
 // (pycoder's 85 weight matrices, two threads, in a C++ harness, on an Intel Xeon with AVX-512,
 // against side by side for every tile: row by row,
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
@@ -278,15 +278,21 @@ static __attribute__((noinline)) void tile(const float* __restrict x, const TW* 
 }
 
 // Four query rows that make the only pass over a block (M = 3 or 4: a verify of k + 1 = 4
-// positions) read their weight rows one after another under AVX2, side by side under AVX-512.
-// (pycoder's 85 weight matrices, two threads, kernels round-robin in one process. A 2-core AMD
-// EPYC, AVX2: 4 rows 1.17-1.20x one row's time row by row, 1.30-1.39x side by side, in three
-// runs; 8 rows, two passes, stay side by side, 1.15x one row's. On an Intel Xeon, AVX-512,
-// row by row made 4 rows 0-5% slower.)
+// positions) read their weight rows side by side, except under AVX2 over rows shorter than
+// FOUR_BY_ROW_BELOW floats, which they read one after another. (Two threads, kernels
+// round-robin in one process, weights streamed from memory, four rows against one. A 2-core AMD
+// EPYC, AVX2, a C++ harness: rows of 320 floats 1.17-1.23x one row's time row by row,
+// 1.26-1.29x side by side; of 512, 1.29x and 1.15x; of 864, 1.22x and 1.08x; of 1024 to 5632,
+// 1.09-1.27x and 0.94-1.03x. pycoder's 85 matrices (rows of 320 and 864) 1.27, 1.44 and 1.31x
+// all row by row, 1.24, 1.38 and 1.21x with its 864-float rows side by side; a Qwen2-0.5B-shaped
+// layer pair 1.17x and 1.00-1.02x. 8 rows, two passes, stay side by side, 1.15x one row's. On
+// an Intel Xeon, AVX-512, row by row made 4 rows of pycoder 0-5% slower. Inside a compiled step
+// the gain is smaller than the harness's: the 4-row verify of a 4-layer Llama 1024 wide, on this
+// kernel, 9.175 -> 9.115 ms against its decode step's 6.750, round-robin in one process.)
 #if defined(__AVX512F__)
-constexpr bool FOUR_BY_ROW = false;
+constexpr int FOUR_BY_ROW_BELOW = 0;
 #else
-constexpr bool FOUR_BY_ROW = true;
+constexpr int FOUR_BY_ROW_BELOW = 512;
 #endif
 
 // V weight rows from row n, times every query row: tiles of 4 query rows, then 2, then 1;
@@ -311,7 +317,7 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
   };
   auto pf = [&](int t, int tiles) { return prefetch ? next + (std::size_t)first(t, tiles) * K : (const TW*)nullptr; };
   auto pf_rows = [&](int t, int tiles) { return (int)(first(t + 1, tiles) - first(t, tiles)); };
-  if (FOUR_BY_ROW && Mp == 4) {
+  if (Mp == 4 && K < FOUR_BY_ROW_BELOW) {
     for (int t = 0, j = 0; j < V; t++, j += V / 4)
       tile<4, V / 4, TW, true>(x, wn + (std::size_t)j * K, y + n + j, K, N, pf(t, 4), pf_rows(t, 4), (int)M);
     return;
