@@ -12,6 +12,10 @@
   multiplies it into M accumulators (one horizontal sum per output);
 - "blas": the linear is kept, for the BLAS library.
 
+Tiled linears of one input and one weight dtype (a layer's q, k and v projections; its gate and
+up) then run as one kernel, `specfx.tiled_linears`, sliced back into their outputs (the same to
+the bit): one parallel region and one weight stream instead of one each.
+
 At M = 1..k+1 a BLAS call streams the weights several times slower than the machine can
 (DESIGN.md, "Kernels"); at a prefill's width, MKL repacks every weight at each call on this
 kind of machine. x is materialized first, so the pointwise ops that produce it (a norm) run
@@ -80,9 +84,11 @@ class SkinnyMatmul(Pass):
                 _rewrite(gm, node, *shape)
         if not rewrote and not kept:
             return PassResult(gm, False, "no linear with a 2-D weight")
+        grouped, kernels = _group_tiled(gm)
         summary = "; ".join([f"rewrote {n}: {r}" for r, n in rewrote.items()] +
-                            [f"kept {n}: {r}" for r, n in kept.items()])
-        info = {"rewritten": sum(rewrote.values()), "kept": sum(kept.values())}
+                            [f"kept {n}: {r}" for r, n in kept.items()] +
+                            ([f"grouped {grouped} tiled linears of a shared input into {kernels} kernels"] if grouped else []))
+        info = {"rewritten": sum(rewrote.values()), "kept": sum(kept.values()), "grouped": grouped}
         if not rewrote:
             return PassResult(gm, False, summary, info)
         return PassResult(finish(gm), True, summary, info)
@@ -170,6 +176,46 @@ def _rewrite_tiled(gm: fx.GraphModule, node: fx.Node, M, N: int, K: int) -> None
     _replace(gm, node, out)
 
 
+def _group_tiled(gm: fx.GraphModule) -> tuple[int, int]:
+    """Tiled linears that read one input with weights of one dtype (a layer's q, k and v; its gate
+    and up) become one `tiled_linears` kernel whose output columns are sliced back into theirs
+    (each the same to the bit): one parallel region and one weight stream instead of one each
+    (see `linears` in the kernels' header). Returns (linears grouped, kernels they became)."""
+    from specfx.kernels import tiled_linear
+
+    one = torch.ops.specfx.tiled_linear.default
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not one or node.args[1].meta["val"].dim() != 2:
+            continue
+        rows = node.args[0]                      # reshape(x, [-1, K]), one per rewritten linear
+        x = rows.args[0] if rows.op == "call_function" and rows.target is aten.reshape.default else rows
+        groups.setdefault((x, node.args[1].meta["val"].dtype), []).append(node)
+    grouped = kernels = 0
+    for nodes in groups.values():
+        first = nodes[0]                          # the kernel goes where it is; the weights must be there
+        for n in nodes[1:]:
+            if order[n.args[1]] > order[first] and n.args[1].op == "get_attr":
+                first.prepend(n.args[1])              # a parameter read where it is used: read it earlier
+                order[n.args[1]] = order[first] - 0.5
+        nodes = [first, *[n for n in nodes[1:] if order[n.args[1]] < order[first]]]
+        if len(nodes) < 2:
+            continue
+        with gm.graph.inserting_before(first):
+            out = insert_call(gm, torch.ops.specfx.tiled_linears.default,
+                              (first.args[0], [n.args[1] for n in nodes], tiled_linear.VERSION))
+        col = 0
+        for n in nodes:
+            N = int(n.args[1].meta["val"].shape[0])
+            with gm.graph.inserting_before(n):
+                piece = insert_call(gm, aten.slice.Tensor, (out, 1, col, col + N))
+            col += N
+            _replace(gm, n, piece)
+        grouped, kernels = grouped + len(nodes), kernels + 1
+    return grouped, kernels
+
+
 def _replace(gm: fx.GraphModule, node: fx.Node, out: fx.Node) -> None:
     out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     node.replace_all_uses_with(out)
@@ -203,7 +249,7 @@ def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
 
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
     tiled = {torch.ops.specfx.tiled_linear.default: _linear_sums, torch.ops.specfx.tiled_mix.default: _mix_sums,
-             torch.ops.specfx.tiled_attend.default: _attend_sums}
+             torch.ops.specfx.tiled_attend.default: _attend_sums, torch.ops.specfx.tiled_linears.default: _linears_sums}
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is MATERIALIZE:
             node.replace_all_uses_with(node.args[0])
@@ -246,6 +292,11 @@ def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
     prod = insert_call(gm, aten.mul.Tensor, (insert_call(gm, aten.unsqueeze.default, (x, 2)),
                                              insert_call(gm, aten.unsqueeze.default, (w, 1))))  # [B, M, N, K]
     return insert_call(gm, aten.sum.dim_IntList, (prod, [-1]))
+
+
+def _linears_sums(gm: fx.GraphModule, x: fx.Node, ws: list[fx.Node]) -> fx.Node:
+    """`tiled_linears` as each weight's `_linear_sums`, side by side."""
+    return insert_call(gm, aten.cat.default, ([_linear_sums(gm, x, w) for w in ws], -1))
 
 
 def _mix_sums(gm: fx.GraphModule, p: fx.Node, v: fx.Node) -> fx.Node:

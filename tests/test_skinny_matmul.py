@@ -40,7 +40,7 @@ def test_rewrites_every_linear_and_keeps_numerics(width):
     sums = _count(cg.gm, aten.sum.dim_IntList)                     # attention's own
     queries = _count(cg.gm, MATERIALIZE)                           # attention's queries (CPU)
     res = SkinnyMatmul(ALWAYS)(cg.gm)
-    assert res.modified and res.info == {"rewritten": linears, "kept": 0}
+    assert res.modified and res.info == {"rewritten": linears, "kept": 0, "grouped": 0}
     assert _count(res.graph_module, aten.linear.default) == 0
     assert _count(res.graph_module, aten.sum.dim_IntList) == sums + linears * width   # one reduction per row
     assert _count(res.graph_module, MATERIALIZE) == queries + linears
@@ -49,26 +49,41 @@ def test_rewrites_every_linear_and_keeps_numerics(width):
     assert _count(strip_materialize(res.graph_module), MATERIALIZE) == 0
 
 
+def _tiled_weights(gm) -> list:
+    """The 2-D weights the tiled kernels read, a lone linear's or a group's, in graph order."""
+    ops, out = torch.ops.specfx, []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (ops.tiled_linear.default, ops.tiled_linears.default):
+            ws = n.args[1] if n.target is ops.tiled_linears.default else [n.args[1]]
+            out += [w for w in ws if w.meta["val"].dim() == 2]
+    return out
+
+
 @pytest.mark.parametrize("width", [1, 5])
-def test_tiled_rewrite_calls_the_kernel_once_per_linear(width):
+def test_tiled_rewrite_reads_each_weight_once_and_groups_a_shared_input(width):
+    """Every linear reaches the tiled kernel; those of one input (a layer's q, k and v; its gate
+    and up) as one `tiled_linears` call, whose columns are sliced back into theirs."""
     from specfx.kernels import tiled_linear
 
     cg = capture(tiny_model("llama", layers=2), width=width, max_seq_len=32)
     ids, pos = torch.randint(3, 96, (1, width)), torch.arange(width)[None]
     ref = _run(cg.gm, ids, pos)
     sums = _count(cg.gm, aten.sum.dim_IntList)
-    tiled = torch.ops.specfx.tiled_linear.default
+    tiled, group = torch.ops.specfx.tiled_linear.default, torch.ops.specfx.tiled_linears.default
     attention = _count(cg.gm, tiled)                                              # scores, one per layer
     res = SkinnyMatmul(TILED)(cg.gm)
-    assert res.modified and res.info == {"rewritten": 15, "kept": 0} and "rewrote 15: M=" in res.reason
-    calls = [n for n in res.graph_module.graph.nodes if n.target is tiled]
-    assert len(calls) == attention + 15 and _count(res.graph_module, aten.linear.default) == 0
-    assert sum(n.args[1].meta["val"].dim() == 2 for n in calls) == 15              # the linears' weights
+    assert res.modified and res.info == {"rewritten": 15, "kept": 0, "grouped": 10} and "rewrote 15: M=" in res.reason
+    assert "grouped 10 tiled linears of a shared input into 4 kernels" in res.reason
+    calls = [n for n in res.graph_module.graph.nodes if n.target in (tiled, group)]
+    assert _count(res.graph_module, group) == 4 and _count(res.graph_module, tiled) == attention + 5   # o, down, lm_head
+    assert [len(n.args[1]) for n in calls if n.target is group] == [3, 2, 3, 2]
+    weights = _tiled_weights(res.graph_module)
+    assert len(weights) == len(set(weights)) == 15 and _count(res.graph_module, aten.linear.default) == 0
     assert _count(res.graph_module, aten.sum.dim_IntList) == sums                 # no reductions added
     assert all(n.args[2] == tiled_linear.VERSION for n in calls)
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
     stripped = strip_materialize(res.graph_module)                                # what export sees
-    assert _count(stripped, tiled) == _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
+    assert _count(stripped, tiled) == _count(stripped, group) == _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
     assert _count(res.graph_module, torch.ops.specfx.tiled_attend.default) == 2    # attention, one per layer
     assert _count(stripped, torch.ops.specfx.tiled_attend.default) == 0
     assert _count(stripped, aten.linear.default) == 0                             # products and sums
@@ -89,10 +104,10 @@ def test_a_weight_stored_in_another_dtype_reaches_the_tiled_kernel_as_stored(dty
     ids, pos = torch.randint(3, 96, (1, 4)), torch.arange(4)[None]
     ref = _run(cg.gm, ids, pos)
     res = SkinnyMatmul(TILED)(cg.gm)
-    calls = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.specfx.tiled_linear.default]
-    weights = [n.args[1].meta["val"] for n in calls if n.args[1].meta["val"].dim() == 2]
+    stored = _tiled_weights(res.graph_module)
+    weights = [w.meta["val"] for w in stored]
     assert [w.dtype for w in weights].count(dtype) == 2 * 7 and len(weights) == 15   # the lm_head: float32
-    assert all(n.args[1].op == "get_attr" for n in calls if n.args[1].meta["val"].dtype == dtype)
+    assert all(w.op == "get_attr" for w in stored if w.meta["val"].dtype == dtype)
     tol = dict(atol=3e-2 * ref.abs().max().item(), rtol=0) if dtype == torch.int8 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, **tol)
     torch.testing.assert_close(_run(strip_materialize(res.graph_module), ids, pos), ref, **tol)
@@ -123,7 +138,7 @@ def test_tiled_choice_falls_back_where_the_kernel_does_not_compile(monkeypatch):
 def test_keeps_what_the_choice_refuses_and_says_why():
     cg = capture(tiny_model("llama", layers=2), width=2, max_seq_len=32)
     res = SkinnyMatmul(NEVER)(cg.gm)
-    assert not res.modified and res.info == {"rewritten": 0, "kept": 15}
+    assert not res.modified and res.info == {"rewritten": 0, "kept": 15, "grouped": 0}
     assert "kept 15: M=2: test says BLAS" in res.reason
     wide = capture(tiny_model("llama", layers=1), width=MAX_ROWS + 1, max_seq_len=32)
     res = SkinnyMatmul(ALWAYS)(wide.gm)
@@ -288,13 +303,13 @@ def test_int8_drafts_take_the_kernel_timed_on_their_own_weights(draft, tmp_path,
     gm = fast.graphs.parts["draft"]
     vals = {n: n.meta.get("val") for n in gm.graph.nodes}
     int8 = lambda n: isinstance(n, torch.fx.Node) and vals[n] is not None and vals[n].dtype == torch.int8  # noqa: E731
-    tiled = [n for n in gm.graph.nodes if n.target is torch.ops.specfx.tiled_linear.default and int8(n.args[1])]
+    tiled = [w for w in _tiled_weights(gm) if int8(w)]
     widened = [n for n in gm.graph.nodes if n.target is aten.to.dtype and int8(n.args[0])]
     assert tiled and not widened                    # no int8 weight is read as the reduction's widened copy
     if str(draft).startswith("early-exit"):
         assert len(tiled) == 2 * 7 + 1              # the layers before the exit, the lm_head
     else:
-        assert any(vals[n.args[1]].shape == model.lm_head.weight.shape for n in tiled)   # the stored lm_head
+        assert any(vals[w].shape == model.lm_head.weight.shape for w in tiled)   # the stored lm_head
 
 
 @pytest.mark.slow

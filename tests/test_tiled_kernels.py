@@ -139,3 +139,22 @@ def test_the_roofline_stream_sums_what_torch_sums():
         assert stream(x) == pytest.approx(x.double().sum().item(), abs=1e-3 * max(1, n) ** 0.5)
     with pytest.raises(ValueError, match="contiguous float32"):
         stream(torch.randn(8, 8).T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_linears_of_one_input_equal_each_linear_to_the_bit(dtype):
+    """`tiled_linears` (a layer's q, k and v as one kernel) gives each weight's columns exactly
+    what `tiled_linear` gives it alone, over every tile shape and weights with a partial block
+    (N = 37, 21) and a partial vector (K = 24), with its rows symbolic, as in a prefill."""
+    V = tiled_linear.VERSION
+    ws = [tiled_linear.store_rows(torch.randn(n, 24), dtype)[0] for n in (40, 37, 21)]
+    one = compile_graph(fx.symbolic_trace(lambda x, a, b, c: [torch.ops.specfx.tiled_linear(x, w, V) for w in (a, b, c)]),
+                        "inductor", dynamic={"x": (0,)})
+    group = compile_graph(fx.symbolic_trace(lambda x, a, b, c: torch.ops.specfx.tiled_linears(x, [a, b, c], V)),
+                          "inductor", dynamic={"x": (0,)})
+    for M in (8, 1, 2, 3, 4, 5):                        # the first call's rows compile it: not 1
+        x = torch.randn(M, 24)
+        out = group(x, *ws)
+        assert out.shape == (M, 98)
+        assert torch.equal(out, torch.cat(one(x, *ws), -1))
+    torch.testing.assert_close(torch.ops.specfx.tiled_linears(x, ws, V), out, rtol=1e-5, atol=1e-4)   # eager

@@ -414,20 +414,32 @@ static inline int32_t dot_i8(const int8_t* w, const int8_t* q, const int8_t* a, 
   return sum;
 }
 
-// y [M, N] = x [M, K] . w [N, K]^T for int8 w, x quantized (above). Threads split the weight
-// rows, each thread's a contiguous range read once from memory for all M rows.
-static void linear_q8(long M, const float* x, const int8_t* w, float* y, long N, int K, int threads) {
+// y [M, N_0 + ... + N_{G-1}] = x [M, K] . [w_0; ...; w_{G-1}]^T for int8 w_g, x quantized once
+// (above), w_g's products in its own columns (see the float32 `linears` below; G = 1: one
+// linear). Threads split the weight rows, each thread's a contiguous range read once from memory
+// for all M rows.
+template <int G>
+static void linears(long M, const float* x, const int8_t* const* w, const long* n, float* y, int K, int threads) {
   static thread_local QuantizedRows rows;          // kept: a step calls this for every linear
   quantize_rows(x, M, K, rows);
   const int8_t* q = rows.q.data();
   const int8_t* a = rows.a.data();
   const float* s = rows.s.data();
+  long col[G + 1] = {0};                            // each weight's first column
+  for (int g = 0; g < G; g++) col[g + 1] = col[g] + n[g];
+  const long N = col[G];
 #pragma omp parallel for num_threads(threads) schedule(static) if (N >= 2 * threads * V)
-  for (long n = 0; n < N; n++) {
-    const int8_t* wn = w + (std::size_t)n * K;
+  for (long c = 0; c < N; c++) {
+    int g = 0;
+    while (c >= col[g + 1]) g++;
+    const int8_t* wc = w[g] + (std::size_t)(c - col[g]) * K;
     for (long m = 0; m < M; m++)
-      y[(std::size_t)m * N + n] = (float)dot_i8(wn, q + (std::size_t)m * K, a + (std::size_t)m * K, K) * s[m];
+      y[(std::size_t)m * N + c] = (float)dot_i8(wc, q + (std::size_t)m * K, a + (std::size_t)m * K, K) * s[m];
   }
+}
+
+static void linear_q8(long M, const float* x, const int8_t* w, float* y, long N, int K, int threads) {
+  linears<1>(M, x, &w, &N, y, K, threads);
 }
 
 // `linear` (below) over int8 weights, batch by batch through `linear_q8`.
@@ -437,6 +449,35 @@ static void linear(long M, const float* x, const int8_t* w, float* y, int batche
     linear_q8(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, N, K, threads);
 }
 
+// y[m, r] = x[m] . w[r] for the rows r in [from, N) past the last whole block, one at a time; y's
+// rows ld apart.
+template <typename TW>
+static inline void tail(long M, const float* x, const TW* w, float* y, long from, long N, long ld, int K) {
+  for (long r = from; r < N; r++)
+    for (long m = 0; m < M; m++) {
+      const float* xr = x + (std::size_t)m * K;
+      const TW* wr = w + (std::size_t)r * K;
+      float s = 0;
+      for (int k = 0; k < K; k++) s += xr[k] * widen(wr[k]);
+      y[(std::size_t)m * ld + r] = s;
+    }
+}
+
+// x's rows as `block` reads them: x itself, or where padded(M) > M a copy with each batch's last
+// row repeated (kept: a step calls this for every linear).
+static inline const float* padded_rows(const float* x, long M, int K, int batches) {
+  const long Mp = padded(M);
+  if (Mp == M) return x;
+  static thread_local std::vector<float> copy;
+  if (copy.size() < (std::size_t)batches * Mp * K) copy.resize((std::size_t)batches * Mp * K);
+  for (int b = 0; b < batches; b++) {
+    float* dst = copy.data() + (std::size_t)b * Mp * K;
+    std::memcpy(dst, x + (std::size_t)b * M * K, sizeof(float) * M * K);
+    std::memcpy(dst + (std::size_t)M * K, x + ((std::size_t)b * M + M - 1) * K, sizeof(float) * K);
+  }
+  return copy.data();
+}
+
 // Batch b: y[b] = x[b] @ w[b].T, x [M, K] and y [M, N] contiguous, w's rows K apart and its
 // batches wb apart (a slice of a KV cache: wb is the cache's length times K). Threads split the
 // (batch, block) pairs. M is a constant in a step's graph, a prefill's width in a prefill's.
@@ -444,32 +485,39 @@ template <typename TW>
 static void linear(long M, const float* x, const TW* w, float* y, int batches, long N, int K, long wb,
                    int threads) {
   const long blocks = N / V, tasks = batches * blocks, Mp = padded(M);
-  const float* xp = x;
-  if (Mp != M) {                                    // each batch's rows, then its last row again
-    static thread_local std::vector<float> copy;    // kept: a step calls this for every linear
-    if (copy.size() < (std::size_t)batches * Mp * K) copy.resize((std::size_t)batches * Mp * K);
-    for (int b = 0; b < batches; b++) {
-      float* dst = copy.data() + (std::size_t)b * Mp * K;
-      std::memcpy(dst, x + (std::size_t)b * M * K, sizeof(float) * M * K);
-      std::memcpy(dst + (std::size_t)M * K, x + ((std::size_t)b * M + M - 1) * K, sizeof(float) * K);
-    }
-    xp = copy.data();
-  }
+  const float* xp = padded_rows(x, M, K, batches);
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
   for (long t = 0; t < tasks; t++) {
     const long b = t / blocks, n = (t % blocks) * V;
     block(M, xp + b * Mp * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
   }
-  for (int b = 0; b < batches; b++)                 // rows past the last whole block
-    for (long n = blocks * V; n < N; n++)
-      for (long m = 0; m < M; m++) {
-        const float* xr = x + ((long)b * M + m) * K;
-        const TW* wr = w + b * wb + n * K;
-        float s = 0;
-        for (int k = 0; k < K; k++) s += xr[k] * widen(wr[k]);
-        y[((long)b * M + m) * N + n] = s;
-      }
+  for (int b = 0; b < batches; b++)
+    tail(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, blocks * V, N, N, K);
 }
+
+// A few query rows, G weights of K-long rows read as one: y [M, N_0 + ... + N_{G-1}] = x [M, K] .
+// [w_0; ...; w_{G-1}]^T, w_g's products in its own columns. A layer's linears of one input (its q,
+// k and v projections, its MLP's gate and up) then run in one parallel region, where one kernel
+// each paid a fork and a join and a ramp of the weight stream each: pycoder's 85 float32 matrices
+// as 49 kernels, two threads, round-robin in one process, a 2-core AMD EPYC: 4 rows 1.556-1.573 ms
+// -> 1.414-1.420, 1 row 1.267-1.324 -> 1.190-1.210. Each output is what `linear` computes, to the
+// bit: the same blocks and tiles, over a task list that runs through every weight's blocks.
+template <int G, typename TW>
+static void linears(long M, const float* x, const TW* const* w, const long* n, float* y, int K, int threads) {
+  long first[G + 1] = {0}, col[G + 1] = {0};       // each weight's first block, its first column
+  for (int g = 0; g < G; g++) first[g + 1] = first[g] + n[g] / V, col[g + 1] = col[g] + n[g];
+  const long N = col[G];
+  const float* xp = padded_rows(x, M, K, 1);
+#pragma omp parallel for num_threads(threads) schedule(static) if (first[G] >= 2 * threads)
+  for (long t = 0; t < first[G]; t++) {
+    int g = 0;
+    while (t >= first[g + 1]) g++;
+    const long r = (t - first[g]) * V;
+    block(M, xp, w[g], y + col[g], K, (int)N, (int)r, r + 2 * V <= n[g]);
+  }
+  for (int g = 0; g < G; g++) tail(M, x, w[g], y + col[g], n[g] / V * V, n[g], N, K);
+}
+
 
 // y[i, :] = sum_l p[i, l] v[l, :] for i < RM: RM * D / V accumulators, one broadcast of p and
 // D / V loads of v per slot l.

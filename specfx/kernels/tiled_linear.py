@@ -5,6 +5,9 @@
   keys, whose batches are a KV buffer's heads). Compiled, it is `linear` in `tiled_linear.h`,
   a register-tiled C++ kernel that reads each weight row once for all M rows and sums a
   tile's accumulators across lanes together (see the header).
+- `tiled_linears(x [M, K], [w_0, w_1, ...]) -> [M, N_0 + N_1 + ...]`
+  (`torch.ops.specfx.tiled_linears`): the linears of one input (a layer's q, k and v; its gate
+  and up) as one kernel, `linears` in the header; each output as `tiled_linear` computes it.
 - `tiled_mix(p [B, M, L], v [B, L, D]) -> [B, M, D]` (`torch.ops.specfx.tiled_mix`): p @ v,
   attention's weighted sum of cached values; compiled, `mix` in the header.
 - `tiled_attend(q, k, v, bias, scale)` (`torch.ops.specfx.tiled_attend`): a few queries' whole
@@ -86,6 +89,19 @@ def quantized_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @tiled_linear.register_fake
 def _(x, w, version):
     return x.new_empty(*x.shape[:-1], w.shape[-2])
+
+
+@torch.library.custom_op("specfx::tiled_linears", mutates_args=())
+def tiled_linears(x: torch.Tensor, ws: list[torch.Tensor], version: int) -> torch.Tensor:
+    """x [M, K] @ [w_0; w_1; ...].T -> [M, N_0 + N_1 + ...]: `tiled_linear` of several 2-D weights
+    of one dtype, all read by one kernel (`linears` in the header); each output is the one
+    `tiled_linear` gives."""
+    return torch.cat([tiled_linear(x, w, version) for w in ws], -1)
+
+
+@tiled_linears.register_fake
+def _(x, ws, version):
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in ws))
 
 
 @torch.library.custom_op("specfx::tiled_mix", mutates_args=())
@@ -222,6 +238,23 @@ def register() -> None:
         call = f"specfx_tiled::linear(M, X, W + {offset}, Y, {batches}, N, {int(K)}, {wb}, THREADS)"
         params = ["const float* X", WEIGHT_DTYPES[w.get_dtype()]]
         return ir.TensorBox.create(Tiled(layout, [x, w], call, M, N, params))
+
+    @lowering.register_lowering(torch.ops.specfx.tiled_linears.default, type_promotion_kind=None)
+    def _lower_linears(x, ws, version):
+        x, ws = contiguous(x), [contiguous(w) for w in ws]
+        dtypes = {w.get_dtype() for w in ws}
+        if len(x.get_size()) != 2 or any(len(w.get_size()) != 2 for w in ws) or len(dtypes) != 1:
+            raise NotImplementedError(f"tiled_linears takes x [M, K] and 2-D weights of one dtype; got x "
+                                      f"{list(x.get_size())}, weights {[list(w.get_size()) for w in ws]} of {dtypes}")
+        M, K = x.get_size()
+        ns = [int(w.get_size()[0]) for w in ws]
+        weight = WEIGHT_DTYPES[dtypes.pop()].rsplit(" ", 1)[0]
+        names = [f"W{g}" for g in range(len(ws))]
+        call = (f"{weight} ws[] = {{{', '.join(names)}}}; const long ns[] = {{{', '.join(map(str, ns))}}}; "
+                f"specfx_tiled::linears<{len(ws)}>(M, X, ws, ns, Y, {int(K)}, THREADS)")
+        layout = ir.FixedLayout(x.get_device(), torch.float32, [M, sum(ns)])
+        params = ["const float* X", *(f"{weight} {name}" for name in names)]
+        return ir.TensorBox.create(Tiled(layout, [x, *ws], call, M, sum(ns), params))
 
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
     def _lower_mix(p, v, version):
