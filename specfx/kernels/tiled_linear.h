@@ -499,9 +499,10 @@ static void linear(long M, const float* x, const TW* w, float* y, int batches, l
 // [w_0; ...; w_{G-1}]^T, w_g's products in its own columns. A layer's linears of one input (its q,
 // k and v projections, its MLP's gate and up) then run in one parallel region, where one kernel
 // each paid a fork and a join and a ramp of the weight stream each: pycoder's 85 float32 matrices
-// as 49 kernels, two threads, round-robin in one process, a 2-core AMD EPYC: 4 rows 1.556-1.573 ms
-// -> 1.414-1.420, 1 row 1.267-1.324 -> 1.190-1.210. Each output is what `linear` computes, to the
-// bit: the same blocks and tiles, over a task list that runs through every weight's blocks.
+// as 49 kernels, two threads, a 2-core AMD EPYC with AVX-512 (benchmarks/grouped_linears.py):
+// 1 row 1.20-1.22 ms -> 1.16-1.18, 4 rows 1.40-1.42 -> 1.35-1.39, 8 rows 1.47-1.51 -> 1.36-1.38.
+// Each output is what `linear` computes, to the bit: the same blocks and tiles, over a task list
+// that runs through every weight's blocks.
 template <int G, typename TW>
 static void linears(long M, const float* x, const TW* const* w, const long* n, float* y, int K, int threads) {
   long first[G + 1] = {0}, col[G + 1] = {0};       // each weight's first block, its first column
