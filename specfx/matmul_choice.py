@@ -61,7 +61,9 @@ def cache_file() -> Path:
 
 
 def machine() -> str:
-    """What a measurement holds for: CPU model, threads, torch version."""
+    """What a measurement holds for: CPU model and the vector instructions torch uses on it (one
+    model name, "AMD EPYC", covers cores with AVX2 only and cores with AVX-512, where the kernels
+    compile to other code), threads, torch version."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -70,7 +72,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()})|{torch.get_num_threads()} threads|torch {torch.__version__}"
 
 
 class MatmulPlan:
