@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from specfx.runtime.accept import commit, greedy_accept
 from specfx.runtime.lookup import ngram_propose
-from specfx.runtime.sampling import race, race_top, speculative_accept, tree_speculative_accept, warp
+from specfx.runtime.sampling import race, race_top, speculative_accept, top_indices, tree_speculative_accept, warp
 from specfx.runtime.state import KVLayout
 from specfx.runtime.tree import Tree, move_path_kv, put_rows
 
@@ -67,7 +67,7 @@ def candidates(logits, width: int, sample, noise, warping):
         x, q = propose(logits, sample, noise, warping)
         return x, x, q
     if not sample:
-        top = logits.topk(width, -1).indices                          # [B, width]
+        top = top_indices(logits, width)                              # [B, width]
         return top[:, :1], top, None
     q = warp(logits, *warping, filters=_filters(sample))
     drawn = race_top(q, noise, width)

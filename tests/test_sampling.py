@@ -8,7 +8,7 @@ import torch
 import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_model
 from specfx.passes import find_host_syncs
-from specfx.runtime.sampling import (TOP_K_CAP, filters_for, race, race_top, speculative_accept,
+from specfx.runtime.sampling import (TOP_K_CAP, filters_for, race, race_top, speculative_accept, top_indices,
                                      tree_speculative_accept, warp)
 from specfx.runtime.tree import Tree
 
@@ -330,3 +330,15 @@ def test_sampling_step_has_no_host_sync_and_compiles_fullgraph():
     # Sampling with top_k=1 is greedy: the model's own tokens.
     out = fast.generate(ids, max_new_tokens=16, do_sample=True, top_k=1, seed=0, eos_token_id=[])
     assert_greedy_equal(model, out, hf_greedy(model, ids, 16), 5)
+
+
+def test_top_indices_are_topk_largest_first_without_a_library_call():
+    """A tree's candidates (greedy: the top logits; sampling: draws without replacement) come
+    from rounds of argmax, not `topk`: the same indices, largest first, equal values lower index
+    first; and the compiled graph that takes them calls no library kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 50)
+    assert torch.equal(top_indices(x, 4), x.topk(4, -1).indices)
+    assert top_indices(torch.tensor([[0.0, 2.0, 1.0, 2.0, -float("inf")]]), 4).tolist() == [[1, 3, 2, 0]]
+    gm = torch.fx.symbolic_trace(lambda x: top_indices(x, 4))
+    assert not any("topk" in str(n.target) for n in gm.graph.nodes)
