@@ -519,7 +519,6 @@ static void linears(long M, const float* x, const TW* const* w, const long* n, f
   for (int g = 0; g < G; g++) tail(M, x, w[g], y + col[g], n[g] / V * V, n[g], N, K);
 }
 
-
 // y[i, :] = sum_l p[i, l] v[l, :] for i < RM: RM * D / V accumulators, one broadcast of p and
 // D / V loads of v per slot l.
 template <int RM, int D>
