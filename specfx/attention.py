@@ -60,6 +60,7 @@ class _Bound:
     tiled: bool                    # reduce through the tiled kernels
     visible: torch.Tensor | None   # [B, 1, W, S] bool, given: which slots each query sees
     calls: int = 0                 # attention calls so far (0 after a forward: the model bypasses us)
+    full: tuple | None = None      # (visible [B, 1, W, L], bias [B, W, L]) of the layers without a window
 
 
 _bound: list[_Bound] = []          # the forward being captured (innermost last)
@@ -76,10 +77,18 @@ def visibility(positions: torch.Tensor, length, window: int) -> torch.Tensor:
     return visible[:, None]
 
 
-def attend(q, k, v, visible, scale: float, softcap: float, reduce: bool, tiled: bool = False) -> torch.Tensor:
+def mask_bias(visible: torch.Tensor) -> torch.Tensor:
+    """`visible` [B, 1, W, L] bool as the tiled kernel's bias [B, W, L]: 0 where seen, -inf where not."""
+    B, _, W, L = visible.shape
+    return torch.where(visible, 0.0, float("-inf")).reshape(B, W, L)
+
+
+def attend(q, k, v, visible, scale: float, softcap: float, reduce: bool, tiled: bool = False,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, W, D] over k, v [B, Hkv, L, D] where `visible` [B, 1, W, L]; with `reduce`,
     scores and weighted values as products and sums, through the tiled kernels where `tiled`
-    (and the values' rows fit them).
+    (and the values' rows fit them), which read `visible` as `bias` [B, W, L] (0 where a query
+    sees a slot, -inf where not; built from `visible` when not given).
 
     Returns [B, W, H, D], contiguous, as transformers' attention functions do.
     """
@@ -93,8 +102,10 @@ def attend(q, k, v, visible, scale: float, softcap: float, reduce: bool, tiled: 
     qg = q.reshape(B, Hkv, G * W, D)                                             # query heads by kv head
     tiled = reduce and tiled and mix_fits(v.shape, v.dtype, v.device)
     if tiled and not softcap:                # one kernel: scores, masked softmax, weighted values
+        if bias is None:
+            bias = mask_bias(visible)
         out = tiled_attend(qg.reshape(B * Hkv, G * W, D), k.reshape(B * Hkv, L, D), v.reshape(B * Hkv, L, D),
-                           torch.where(visible, 0.0, float("-inf")).reshape(B, W, L), scale, VERSION)
+                           bias, scale, VERSION)
         return out.reshape(B, H, W, D).transpose(1, 2).contiguous()
     if tiled:
         scores = tiled_linear(qg.reshape(B * Hkv, G * W, D), k.reshape(B * Hkv, L, D), VERSION)
@@ -139,7 +150,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     L = b.span.shape[0]
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window = int(sliding_window or 0)
-    if b.visible is None:
+    bias = None
+    if not window and b.full is not None:
+        visible, bias = b.full
+    elif b.visible is None:
         visible = visibility(b.positions, L, window)
     else:
         visible = b.visible[..., :L]
@@ -148,7 +162,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
             visible = visible & (slots > b.positions[:, :, None] - window)[:, None]
     width = query.shape[2]
     reduce = b.reduce and isinstance(width, int) and width <= REDUCE_MAX_QUERIES
-    out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce, b.tiled)
+    out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce, b.tiled,
+                 bias)
     return out, None
 
 
@@ -178,6 +193,14 @@ def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool, t
     for c in configs:
         setattr(c, _IMPL, NAME)
     bound = _Bound(positions, span, reduce, tiled, visible)
+    width = positions.shape[1]
+    if reduce and tiled and isinstance(width, int) and width <= REDUCE_MAX_QUERIES:
+        # The tiled kernels' mask, built once ahead of the layers (outside every layer's nodes, so
+        # passes that cut layers keep it) and read by every layer without a window: one buffer
+        # where each layer had built a copy of its own.
+        L = span.shape[0]
+        full = visibility(positions, L, 0) if visible is None else visible[..., :L]
+        bound.full = (full, mask_bias(full))
     _bound.append(bound)
     try:
         yield bound

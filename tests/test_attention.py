@@ -52,7 +52,7 @@ def test_cpu_forms_read_each_query_once():
     """On the CPU every layer's scores read its query once: the tiled form hands the queries to
     `tiled_attend` (scores, softmax and weighted values in one kernel); the reduction form reads them
     from a materialized buffer (else Inductor recomputes the query's rotary inside the loop over
-    cache slots). The SDPA form has neither."""
+    cache slots). The SDPA form has neither. The tiled kernels' layers read one mask, built once."""
     from specfx.capture import StaticDecoder
     from specfx.passes.skinny_matmul import MATERIALIZE
 
@@ -65,6 +65,7 @@ def test_cpu_forms_read_each_query_once():
         gm = capture(model, width=4, max_seq_len=32, decoder=decoder).gm
         count = lambda target: sum(n.op == "call_function" and n.target is target for n in gm.graph.nodes)  # noqa
         assert count(ops.tiled_attend.default) == (3 if tiled else 0)
+        assert count(torch.ops.aten.where.Scalar) == (1 if tiled else 0)     # one mask for every layer
         assert count(ops.tiled_linear.default) == count(ops.tiled_mix.default) == 0
         hints = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MATERIALIZE]
         assert len(hints) == (3 if reduce and not tiled else 0)

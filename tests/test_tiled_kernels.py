@@ -65,6 +65,35 @@ def test_fused_attention_equals_its_torch_form(B, Hkv, G, W, D):
         torch.testing.assert_close(fn(q, kv, vv, bias, torch.empty(L)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_layers_that_share_a_mask_read_one_buffer_of_it():
+    """Three layers' `tiled_attend` over one mask (a tree's visibility over a span, as a verify
+    graph's layers read it): the bias is computed into one buffer, not a copy for each kernel
+    (a step's mask is as wide as the span: a copy a layer cost a kernel and an allocation each)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def f(q, kv, visible, span):
+        L = span.shape[0]
+        bias = torch.where(visible[:, :, :L], 0.0, float("-inf"))
+        out = q
+        for layer in range(3):
+            out = torch.ops.specfx.tiled_attend(out, kv[layer, :, :L], kv[layer, :, :L], bias, 0.125,
+                                                tiled_linear.VERSION)
+        return out
+
+    fn = compile_graph(fx.symbolic_trace(f), "inductor", dynamic={"span": (0,)})
+    q, kv = torch.randn(2, 4, 64), torch.randn(3, 2, 40, 64)
+    visible = torch.rand(1, 4, 40) < 0.7
+    visible[..., 0] = True
+    out, code = run_and_get_code(fn, q, kv, visible, torch.empty(33))
+    bias = torch.where(visible[:, :, :33], 0.0, float("-inf"))
+    want = q
+    for layer in range(3):
+        want = tiled_linear.attend_reference(want, kv[layer, :, :33], kv[layer, :, :33], bias, 0.125)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    wrapper = "".join(code)
+    assert wrapper.count("empty_strided") == 1, "each layer computed its own copy of the mask"
+
+
 @pytest.mark.parametrize("dtype, param", [(torch.bfloat16, "const uint16_t* W"), (torch.int8, "const int8_t* W")])
 def test_stored_weights_are_widened_as_they_load(dtype, param):
     """A bfloat16 or int8 weight (a draft's, stored at half or a quarter of the bytes) reaches the

@@ -271,6 +271,7 @@ def register() -> None:
 
     @lowering.register_lowering(torch.ops.specfx.tiled_attend.default)
     def _lower_attend(q, k, v, bias, scale, version):
+        bias.realize()            # one buffer for every layer that reads this mask, not a copy each
         q, bias = contiguous(q), contiguous(bias)
         heads, R, D = (int(d) for d in q.get_size())
         B, W = (int(d) for d in bias.get_size()[:2])
