@@ -428,15 +428,11 @@ static inline int32_t dot_i8(const int8_t* w, const int8_t* q, const int8_t* a, 
 // quantized query row, a = |q|), each column's in accumulator bitrev(j), then reduced across
 // lanes together (`reduce`): lane j of the result holds column j's sum. A step of 64 products a
 // column is one masked negation (w where q >= 0, -w where q < 0: the sign mask is q's, shared by
-// the V columns) and one multiply-add of |q| (unsigned) with it: `vpdpbusd` with AVX-512 VNNI,
-// else `vpmaddubsw` (pairs into 16 bits, which cannot overflow at magnitudes of at most 127) and
-// `vpmaddwd`. The sums are exact integers, so they equal `dot_i8`'s to the bit.
+// the V columns) and the products of |q| (unsigned) with it: `vpmaddubsw` (pairs into 16 bits,
+// which cannot overflow at magnitudes of at most 127), `vpmaddwd` (into 32-bit lanes) and an add.
+// The sums are exact integers, so they equal `dot_i8`'s to the bit.
 static inline __m512i madd_i8(__m512i acc, __m512i a, __m512i signed_w) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, a, signed_w);
-#else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, signed_w), _mm512_set1_epi16(1)));
-#endif
 }
 
 static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int8_t* a, int K) {
