@@ -128,7 +128,7 @@ def _linear_shape(node: fx.Node) -> tuple[int, int, int] | None:
     x, w = node.args[0].meta.get("val"), node.args[1].meta.get("val")
     if x is None or w is None or w.dim() != 2:
         return None
-    N, K = w.shape
+    N, K = (int(d) for d in w.shape)           # a weight's sizes are static (a SymInt here is one of a value)
     return math.prod(x.shape[:-1]), N, K
 
 
