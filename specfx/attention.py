@@ -52,6 +52,12 @@ _IMPL = "_attn_implementation_internal"      # what a transformers config's `_at
 _UNSET = object()
 
 
+def _reduces(reduce: bool, width) -> bool:
+    """Whether queries of this width take the reduction forms (`reduce` set, a fixed width of at
+    most REDUCE_MAX_QUERIES)."""
+    return reduce and isinstance(width, int) and width <= REDUCE_MAX_QUERIES
+
+
 @dataclass
 class _Bound:
     positions: torch.Tensor        # [B, W] long: each query's position
@@ -160,8 +166,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         if window:           # a tree's slots past a query's position are its own rows', inside any window
             slots = torch.arange(L, device=b.positions.device)
             visible = visible & (slots > b.positions[:, :, None] - window)[:, None]
-    width = query.shape[2]
-    reduce = b.reduce and isinstance(width, int) and width <= REDUCE_MAX_QUERIES
+    reduce = _reduces(b.reduce, query.shape[2])
     out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce, b.tiled,
                  bias)
     return out, None
@@ -193,8 +198,7 @@ def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool, t
     for c in configs:
         setattr(c, _IMPL, NAME)
     bound = _Bound(positions, span, reduce, tiled, visible)
-    width = positions.shape[1]
-    if reduce and tiled and isinstance(width, int) and width <= REDUCE_MAX_QUERIES:
+    if tiled and _reduces(reduce, positions.shape[1]):
         # The tiled kernels' mask, built once ahead of the layers (outside every layer's nodes, so
         # passes that cut layers keep it) and read by every layer without a window: one buffer
         # where each layer had built a copy of its own.
