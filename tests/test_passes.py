@@ -211,6 +211,22 @@ def test_tree_attention(setup, parents):
     torch.testing.assert_close(got, want)
     assert all(torch.equal(x, y) for x, y in zip(kv_before, kv_after))
 
+    # Over a shorter span the mask is built over the span's slots only, never the whole cache's.
+    masks = []
+
+    class Masks(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 4:
+                masks.append(out.shape[-1])
+            return out
+
+    with torch.no_grad():
+        (want,) = before(ids, explicit[0], span(20), *explicit[2:], *kv_before)
+        (got,) = Masks(after).run(ids, last, span(20), *kv_after)
+    torch.testing.assert_close(got, want)
+    assert masks and set(masks) == {20}, masks
+
 
 @pytest.mark.parametrize("draft, calls", [("early-exit:2", ["drafter.draft"] * 4 + ["verify"]), ("ngram:2", ["verify"])])
 def test_inline_graph_calls_inlines_calls_and_keeps_numerics(draft, calls):
