@@ -89,8 +89,46 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}), \
-            (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()):
+            (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()), \
+            (_serial_loops_outside_parallel() if cpu else contextlib.nullcontext()):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
+
+
+@contextlib.contextmanager
+def _serial_loops_outside_parallel():
+    """For one compilation: a C++ kernel's serial loop nests run outside its parallel region.
+
+    Inductor fuses a kernel's loop nests into one function; where one nest is parallel it opens
+    one `omp parallel` region for all of them and runs each serial nest as `omp single`, which
+    ends in a barrier (a futex wake-up each on Linux). A step's acceptance kernel is one
+    parallel argmax followed by dozens of serial nests (a tree's accepted path moved in each KV
+    buffer, one nest a buffer): pycoder's 2x2x2x1 MTP step spent ~50 us in that kernel's
+    barriers. Here a serial nest closes the region instead and runs on the calling thread; the
+    next parallel nest opens a new one. Where this torch's code generator differs, nothing changes.
+    The compiled-graph cache keys these compilations apart (`cache_key_tag`), so none of them
+    returns code generated the other way."""
+    try:
+        from torch._inductor.codegen.cpp import WorkSharing
+        saved = WorkSharing.single
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def single(self):
+        self.close()
+        return False
+
+    tagged = hasattr(torch.compiler.config, "cache_key_tag")
+    tag = torch.compiler.config.cache_key_tag if tagged else None
+    WorkSharing.single = single
+    if tagged:
+        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel"
+    try:
+        yield
+    finally:
+        WorkSharing.single = saved
+        if tagged:
+            torch.compiler.config.cache_key_tag = tag
 
 
 @contextlib.contextmanager
