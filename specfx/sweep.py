@@ -151,7 +151,8 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
         tokens = accepted / max(calls, 1)
         draft_s, verify_s = _profiled(model, spec, None, encoded[0], max_seq_len, backend).profile()
         step_ms = (draft_s + verify_s) * 1e3
-        row = dict(tree=None if fast.graphs.tree.is_chain else list(tree), nodes=fast.graphs.tree.size, tokens_per_call=round(tokens, 3),
+        row = dict(tree=None if tuple(tree) == (1,) * k else list(tree), nodes=fast.graphs.tree.size,
+                   tokens_per_call=round(tokens, 3),
                    draft_ms=round(draft_s * 1e3, 3), verify_ms=round(verify_s * 1e3, 3), step_ms=round(step_ms, 3),
                    predicted_tokens_per_s=round(tokens / step_ms * 1e3, 1),
                    predicted_speedup=round(tokens * result.decode_ms / step_ms, 3))
@@ -166,25 +167,31 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
 def render_tree_sweep(result: SweepResult):
     from rich.table import Table
 
-    from specfx.drafters import tree_name
-
     t = Table(title=f"tree sweep of {result.settings['draft']} (plain decode step {result.decode_ms:.2f} ms; "
                     f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
     for col in ("tree", "nodes", "tokens/call", "draft ms", "verify ms", "step ms", "predicted tok/s", "vs chain"):
         t.add_column(col, justify="right")
     for r in result.rows:
-        name = tree_name(r["tree"]) if r["tree"] else f"chain of {result.settings['k']}"
+        name = _shape_name(r)
         t.add_row(name, str(r["nodes"]), f"{r['tokens_per_call']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}",
                   f"{r['step_ms']:.2f}", f"{r['predicted_tokens_per_s']:.0f}", f"{r['vs_chain']:.2f}x",
                   style="bold green" if r is result.best else None)
-    best = result.best["tree"]
-    t.caption = "best: " + (tree_name(best) if best else f"the chain of {result.settings['k']}")
+    t.caption = "best: " + _shape_name(result.best)
     return t
+
+
+def _shape_name(row: dict) -> str:
+    """A sweep row's shape: "chain of N" for a chain (the drafter's own, or a deeper one spelled
+    1x1x...), else the tree's branching ("2x2x2x1")."""
+    from specfx.drafters import tree_name
+
+    return f"chain of {row['nodes']}" if not row["tree"] or set(row["tree"]) == {1} else tree_name(row["tree"])
 
 
 def save_tree_default(checkpoint: str | Path, best: dict) -> None:
     """Record the best tree as the model's default MTP tree in config.json (`specfx_mtp_tree`,
-    read by `specfx.MTPHead()`); the chain winning removes it."""
+    read by `specfx.MTPHead()`; a deeper chain as its branching, 1x1x...); the drafter's own chain
+    winning removes it."""
     path = Path(checkpoint) / "config.json"
     cfg = json.loads(path.read_text())
     cfg.pop("specfx_mtp_tree", None)

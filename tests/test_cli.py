@@ -141,15 +141,16 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     model, _, _ = load_model(str(path))
     head = save_head(new_head(model), tmp_path / "head", model)
     out = tmp_path / "sweep.json"
-    rc = main(["bench", str(path), "--sweep-tree", "--sweep-draft", f"mtp:{head}", "--trees", "2x1,3x2",
+    rc = main(["bench", str(path), "--sweep-tree", "--sweep-draft", f"mtp:{head}", "--trees", "2x1,3x2,1x1x1",
                "--save-default", "-k", "2", "--num-prompts", "1", "--max-new-tokens", "6", "--backend", "eager",
                "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2]] and [r["nodes"] for r in rows] == [2, 3, 5]
+    assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2], [1, 1, 1]] and [r["nodes"] for r in rows] == [2, 3, 5, 3]
     assert all(r["step_ms"] > 0 and r["tokens_per_call"] >= 1 for r in rows) and data["best"] in rows
-    assert "tree sweep" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tree sweep" in printed and "chain of 2" in printed and "chain of 3" in printed   # a deeper chain by its own length
     saved = json.loads((path / "config.json").read_text()).get("specfx_mtp_tree")
     assert saved == data["best"]["tree"]
     # The saved tree (or a chosen one, where the chain won) is what MTPHead() drafts.
