@@ -90,23 +90,25 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}), \
             (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()), \
-            (_serial_loops_outside_parallel() if cpu else contextlib.nullcontext()):
+            (_fewer_barriers() if cpu else contextlib.nullcontext()):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
 
 
 @contextlib.contextmanager
-def _serial_loops_outside_parallel():
-    """For one compilation: a C++ kernel's serial loop nests run outside its parallel region.
+def _fewer_barriers():
+    """For one compilation: a C++ kernel's serial loop nests run outside its parallel region, and
+    its last parallel loop does not wait at a barrier of its own.
 
     Inductor fuses a kernel's loop nests into one function; where one nest is parallel it opens
     one `omp parallel` region for all of them and runs each serial nest as `omp single`, which
-    ends in a barrier (a futex wake-up each on Linux). A step's acceptance kernel is one
-    parallel argmax followed by dozens of serial nests (a tree's accepted path moved in each KV
-    buffer, one nest a buffer): pycoder's 2x2x2x1 MTP step spent ~50 us in that kernel's
-    barriers. Here a serial nest closes the region instead and runs on the calling thread; the
-    next parallel nest opens a new one. Where this torch's code generator differs, nothing changes.
-    The compiled-graph cache keys these compilations apart (`cache_key_tag`), so none of them
-    returns code generated the other way."""
+    ends in a barrier (a futex wake-up each on Linux), and ends each `omp for` with a barrier,
+    the last one just before the region's own. A step's acceptance kernel is one parallel
+    argmax followed by dozens of serial nests (a tree's accepted path moved in each KV buffer,
+    one nest a buffer): pycoder's 2x2x2x1 MTP step spent ~50 us in that kernel's barriers. Here a
+    serial nest closes the region instead and runs on the calling thread (the next parallel
+    nest opens a new one), and a region's last `omp for` is `nowait`. Where this torch's code
+    generator differs, nothing changes. The compiled-graph cache keys these compilations apart
+    (`cache_key_tag`), so none of them returns code generated the other way."""
     try:
         from torch._inductor.codegen.cpp import WorkSharing
         saved = WorkSharing.single
@@ -118,17 +120,42 @@ def _serial_loops_outside_parallel():
         self.close()
         return False
 
+    opened, closed = WorkSharing.parallel, WorkSharing.close
+
+    def parallel(self, threads):
+        fresh = not self.in_parallel
+        opened(self, threads)
+        if fresh and self.in_parallel:
+            self.region_start = len(self.code._lines)
+
+    def close(self):
+        if self.in_parallel:
+            _last_loop_nowait(self.code._lines, getattr(self, "region_start", 0))
+        closed(self)
+
     tagged = hasattr(torch.compiler.config, "cache_key_tag")
     tag = torch.compiler.config.cache_key_tag if tagged else None
-    WorkSharing.single = single
+    WorkSharing.single, WorkSharing.parallel, WorkSharing.close = single, parallel, close
     if tagged:
-        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel"
+        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel,last-loop-nowait"
     try:
         yield
     finally:
-        WorkSharing.single = saved
+        WorkSharing.single, WorkSharing.parallel, WorkSharing.close = saved, opened, closed
         if tagged:
             torch.compiler.config.cache_key_tag = tag
+
+
+
+def _last_loop_nowait(lines: list, start: int) -> None:
+    """The last `omp for` of a parallel region (lines[start:]) without its barrier: the
+    region's end is one."""
+    for i in range(len(lines) - 1, start - 1, -1):
+        line = lines[i]
+        if isinstance(line, str) and line.lstrip().startswith("#pragma omp for"):
+            if not any(word in line for word in ("nowait", "reduction", "ordered", "lastprivate")):
+                lines[i] = line + " nowait"
+            return
 
 
 @contextlib.contextmanager

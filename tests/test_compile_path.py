@@ -64,7 +64,8 @@ def test_serial_loops_run_outside_the_parallel_region():
     """A kernel of one parallel loop (an argmax over rows as wide as a vocabulary) and serial
     ones after it (writes of a few entries into each of several buffers, as a tree step moves
     its accepted path in every KV buffer) runs the serial loops after the parallel region, not
-    as `omp single` blocks inside it, each of which ends in a barrier."""
+    as `omp single` blocks inside it, each of which ends in a barrier; the parallel loop, the
+    region's last, has no barrier of its own before the region's."""
     from torch import fx
     from torch._inductor.codegen.cpp import WorkSharing
     from torch._inductor.utils import run_and_get_code
@@ -86,6 +87,7 @@ def test_serial_loops_run_outside_the_parallel_region():
     for i, buf in enumerate(bufs):
         torch.testing.assert_close(buf[logits.argmax(-1)[:2] % 5], logits[:2, :16] + i)
     assert "#pragma omp parallel" in code and "#pragma omp single" not in code
+    assert "#pragma omp for nowait" in code                       # the region's end is its barrier
     assert WorkSharing.single is single                           # patched during the compile only
     assert torch.compiler.config.cache_key_tag == tag
 

@@ -90,7 +90,7 @@ static void attend(const float* q, const float* k, long kb, const float* v, long
   {
     std::vector<float> scratch((std::size_t)RM * L);
     float* s = scratch.data();
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait           // the region's end is the barrier
     for (int t = 0; t < tasks; t++) {
       const int h = t / tiles, r0 = (t % tiles) * RM;
       const float* batch = bias + (long)(h / hkv) * W * L;

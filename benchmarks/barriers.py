@@ -1,13 +1,14 @@
-"""A fused step's kernels with their serial loops outside the parallel region, against inside it.
+"""A fused step's kernels with specfx's barriers against Inductor's.
 
 Inductor runs a C++ kernel's serial loop nests inside the kernel's parallel region as `omp
-single` blocks, each ending in a barrier; specfx's compile runs them after the region instead
-(`runtime.compile._serial_loops_outside_parallel`). This compiles each drafter's fused step
-graph both ways, on one model and one state, and calls the two (and the runtime's own step,
-built the first way) round-robin, so that the machine's drift reaches all alike.
+single` blocks, each ending in a barrier, and ends every `omp for` with one; specfx's compile
+runs serial nests after the region and leaves out the barrier of a region's last `omp for`
+(`runtime.compile._fewer_barriers`). This compiles each drafter's fused step graph both ways
+("inductor's", "specfx's"), on one model and one state, and calls the two (and the runtime's
+own step, built the second way) round-robin, so that the machine's drift reaches all alike.
 
-    python benchmarks/serial_loops.py [--drafts none,mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 30]
-                                      [--repeats 3] [--max-seq-len 512]
+    python benchmarks/barriers.py [--drafts none,mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 30]
+                                  [--repeats 3] [--max-seq-len 512]
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ def main() -> None:
         fast.generate(ids, max_new_tokens=2)
         rt = fast.runtime
         rt.cover(steps=args.rounds * args.repeats * 3 + 10)
-        outside = rc.compile_graph(rt.graphs.step, "inductor")
-        rule = rc._serial_loops_outside_parallel
-        rc._serial_loops_outside_parallel = contextlib.nullcontext
+        ours = rc.compile_graph(rt.graphs.step, "inductor")
+        rule = rc._fewer_barriers
+        rc._fewer_barriers = contextlib.nullcontext
         try:
-            inside = rc.compile_graph(rt.graphs.step, "inductor")
+            theirs = rc.compile_graph(rt.graphs.step, "inductor")
         finally:
-            rc._serial_loops_outside_parallel = rule
-        for fn in (outside, inside):
+            rc._fewer_barriers = rule
+        for fn in (ours, theirs):
             fn(*rt.state.step_args())
-        calls[f"{spec}: inside"] = lambda fn=inside, rt=rt: fn(*rt.state.step_args())
-        calls[f"{spec}: outside"] = lambda fn=outside, rt=rt: fn(*rt.state.step_args())
+        calls[f"{spec}: inductor's"] = lambda fn=theirs, rt=rt: fn(*rt.state.step_args())
+        calls[f"{spec}: specfx's"] = lambda fn=ours, rt=rt: fn(*rt.state.step_args())
         calls[f"{spec}: runtime's"] = rt._step
     for _ in range(args.repeats):
         ms = round_robin(calls, args.rounds)
