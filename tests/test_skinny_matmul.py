@@ -215,6 +215,10 @@ def test_the_verify_graph_settles_the_kernel_the_chains_cannot(tmp_path, monkeyp
     again = matmul_choice.MatmulPlan(weights)
     again.settle(4, lambda kernel: pytest.fail("timed again"))
     assert again(4, 8, 4).kernel == "reduce"
+    # A near tie keeps the tiled kernel (SETTLE_MARGIN): timed alone, the order flips with drift.
+    graph_ms.update(tiled=100.0, reduce=97.0)
+    plan.settle(6, verify)
+    assert plan(6, 8, 4).kernel == "tiled" and "reduce 97000.00 ms (the reduction's not under 95% of the tiled kernel's): tiled" in plan(6, 8, 4).reason
     # A verify graph that does not compile or run leaves the chains' choice, with a warning.
     def broken(kernel):
         raise RuntimeError("no compiler")
