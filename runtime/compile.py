@@ -107,7 +107,7 @@ def _fewer_barriers():
     one nest a buffer): in pycoder's 2x2x2x1 MTP step that kernel took 52 us, 23 with its serial
     nests outside the region (Inductor's kernel profile, 100 steps). Here a
     serial nest closes the region instead and runs on the calling thread (the next parallel
-    nest opens a new one), and a region's last `omp for` is `nowait`. Where this torch's code
+    nest opens a new one), and a region's one `omp for` is `nowait`. Where this torch's code
     generator differs, nothing changes. The compiled-graph cache keys these compilations apart
     (`cache_key_tag`), so none of them returns code generated the other way."""
     try:
@@ -121,7 +121,7 @@ def _fewer_barriers():
         self.close()
         return False
 
-    opened, closed = WorkSharing.parallel, WorkSharing.close
+    opened, closed, exited = WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__
 
     def parallel(self, threads):
         fresh = not self.in_parallel
@@ -129,33 +129,44 @@ def _fewer_barriers():
         if fresh and self.in_parallel:
             self.region_start = len(self.code._lines)
 
-    def close(self):
+    def end_region(self):                       # a region ends at close() or, the kernel's last, at __exit__
         if self.in_parallel:
             _last_loop_nowait(self.code._lines, getattr(self, "region_start", 0))
+
+    def close(self):
+        end_region(self)
         closed(self)
+
+    def exit(self, *exc):
+        end_region(self)
+        return exited(self, *exc)
 
     tagged = hasattr(torch.compiler.config, "cache_key_tag")
     tag = torch.compiler.config.cache_key_tag if tagged else None
-    WorkSharing.single, WorkSharing.parallel, WorkSharing.close = single, parallel, close
+    WorkSharing.single, WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__ = single, parallel, close, exit
     if tagged:
-        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel,last-loop-nowait"
+        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel,one-loop-nowait"
     try:
         yield
     finally:
-        WorkSharing.single, WorkSharing.parallel, WorkSharing.close = saved, opened, closed
+        WorkSharing.single, WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__ = saved, opened, closed, exited
         if tagged:
             torch.compiler.config.cache_key_tag = tag
 
 
 def _last_loop_nowait(lines: list, start: int) -> None:
-    """The last `omp for` of a parallel region (lines[start:]) without its barrier: the
-    region's end is one."""
-    for i in range(len(lines) - 1, start - 1, -1):
-        line = lines[i]
-        if isinstance(line, str) and line.lstrip().startswith("#pragma omp for"):
-            if not any(word in line for word in ("nowait", "reduction", "ordered", "lastprivate")):
-                lines[i] = line + " nowait"
-            return
+    """A parallel region's (lines[start:]) `omp for` without its barrier, the region's end being
+    one, where that loop is the region's only `omp for` and no loop encloses it (under a serial
+    outer loop, as in Inductor's outer-loop fusion, every thread runs each iteration's loops and
+    the next iteration may overwrite what this one's loop still reads)."""
+    loops = [i for i in range(start, len(lines))
+             if isinstance(lines[i], str) and lines[i].lstrip().startswith(("#pragma omp for", "for("))]
+    omp = [i for i in range(start, len(lines)) if "#pragma omp for" in str(lines[i])]
+    if len(omp) != 1 or not loops or loops[0] != omp[0]:
+        return
+    line = lines[omp[0]]
+    if isinstance(line, str) and not any(word in line for word in ("nowait", "reduction", "ordered", "lastprivate")):
+        lines[omp[0]] = line + " nowait"
 
 
 @contextlib.contextmanager
