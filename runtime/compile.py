@@ -97,7 +97,7 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
 @contextlib.contextmanager
 def _fewer_barriers():
     """For one compilation: a C++ kernel's serial loop nests run outside its parallel region, and
-    its last parallel loop does not wait at a barrier of its own.
+    a region's one top-level parallel loop does not wait at a barrier of its own.
 
     Inductor fuses a kernel's loop nests into one function; where one nest is parallel it opens
     one `omp parallel` region for all of them and runs each serial nest as `omp single`, which
@@ -131,7 +131,7 @@ def _fewer_barriers():
 
     def end_region(self):                       # a region ends at close() or, the kernel's last, at __exit__
         if self.in_parallel:
-            _last_loop_nowait(self.code._lines, getattr(self, "region_start", 0))
+            _sole_loop_nowait(self.code._lines, getattr(self, "region_start", 0))
 
     def close(self):
         end_region(self)
@@ -154,7 +154,7 @@ def _fewer_barriers():
             torch.compiler.config.cache_key_tag = tag
 
 
-def _last_loop_nowait(lines: list, start: int) -> None:
+def _sole_loop_nowait(lines: list, start: int) -> None:
     """A parallel region's (lines[start:]) `omp for` without its barrier, the region's end being
     one, where that loop is the region's only `omp for` and no loop encloses it (under a serial
     outer loop, as in Inductor's outer-loop fusion, every thread runs each iteration's loops and
