@@ -2,8 +2,8 @@
 
 Inductor runs a C++ kernel's serial loop nests inside the kernel's parallel region as `omp
 single` blocks, each ending in a barrier, and ends every `omp for` with one; specfx's compile
-runs serial nests after the region and leaves out the barrier of a region's last `omp for`
-(`runtime.compile._fewer_barriers`). This compiles each drafter's fused step graph both ways
+runs serial nests after the region and leaves out the barrier of a region's one top-level `omp
+for` (`runtime.compile._fewer_barriers`). This compiles each drafter's fused step graph both ways
 ("inductor's", "specfx's"), on one model and one state, and calls the two (and the runtime's
 own step, built the second way) round-robin, so that the machine's drift reaches all alike.
 

@@ -112,7 +112,7 @@ def _fewer_barriers():
     (`cache_key_tag`), so none of them returns code generated the other way."""
     try:
         from torch._inductor.codegen.cpp import WorkSharing
-        saved = WorkSharing.single
+        originals = {name: getattr(WorkSharing, name) for name in ("single", "parallel", "close", "__exit__")}
     except (ImportError, AttributeError):
         yield
         return
@@ -121,11 +121,9 @@ def _fewer_barriers():
         self.close()
         return False
 
-    opened, closed, exited = WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__
-
     def parallel(self, threads):
         fresh = not self.in_parallel
-        opened(self, threads)
+        originals["parallel"](self, threads)
         if fresh and self.in_parallel:
             self.region_start = len(self.code._lines)
 
@@ -135,21 +133,23 @@ def _fewer_barriers():
 
     def close(self):
         end_region(self)
-        closed(self)
+        originals["close"](self)
 
     def exit(self, *exc):
         end_region(self)
-        return exited(self, *exc)
+        return originals["__exit__"](self, *exc)
 
     tagged = hasattr(torch.compiler.config, "cache_key_tag")
     tag = torch.compiler.config.cache_key_tag if tagged else None
-    WorkSharing.single, WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__ = single, parallel, close, exit
+    for name, method in (("single", single), ("parallel", parallel), ("close", close), ("__exit__", exit)):
+        setattr(WorkSharing, name, method)
     if tagged:
         torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel,one-loop-nowait"
     try:
         yield
     finally:
-        WorkSharing.single, WorkSharing.parallel, WorkSharing.close, WorkSharing.__exit__ = saved, opened, closed, exited
+        for name, method in originals.items():
+            setattr(WorkSharing, name, method)
         if tagged:
             torch.compiler.config.cache_key_tag = tag
 
