@@ -5,7 +5,9 @@ single` blocks, each ending in a barrier, and ends every `omp for` with one; spe
 runs serial nests after the region and leaves out the barrier of a region's one top-level `omp
 for` (`runtime.compile._fewer_barriers`). This compiles each drafter's fused step graph both ways
 ("inductor's", "specfx's"), on one model and one state, and calls the two (and the runtime's
-own step, built the second way) round-robin, so that the machine's drift reaches all alike.
+own step, built the second way) round-robin in shuffled orders, so that the machine's drift
+reaches all alike, each drafter's calls among themselves: a step called right after another
+drafter's finds less of its state in the cache.
 
     python benchmarks/barriers.py [--drafts none,mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 30]
                                   [--repeats 3] [--max-seq-len 512]
@@ -31,8 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
     ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
-    calls = {}
     for spec in args.drafts.split(","):
+        calls = {}
         fast = specfx.compile(model, draft=spec, max_seq_len=args.max_seq_len)
         fast.generate(ids, max_new_tokens=2)
         rt = fast.runtime
@@ -49,9 +51,9 @@ def main() -> None:
         calls[f"{spec}: inductor's"] = lambda fn=theirs, rt=rt: fn(*rt.state.step_args())
         calls[f"{spec}: specfx's"] = lambda fn=ours, rt=rt: fn(*rt.state.step_args())
         calls[f"{spec}: runtime's"] = rt._step
-    for _ in range(args.repeats):
-        ms = round_robin(calls, args.rounds)
-        print("  ".join(f"{name} {t * 1e3:.3f}" for name, t in ms.items()), flush=True)
+        for _ in range(args.repeats):
+            ms = round_robin(calls, args.rounds)
+            print("  ".join(f"{name} {t * 1e3:.3f}" for name, t in ms.items()), flush=True)
 
 
 if __name__ == "__main__":

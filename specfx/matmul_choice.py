@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 import warnings
@@ -271,11 +272,17 @@ def round_robin(calls: dict, repeats: int) -> dict:
     """name -> median seconds of `calls[name]()`, timed in `repeats` rounds that each call every
     one once (after a round of warm-up), so that a drift in the machine's speed reaches each
     alike: timed one after another, a slow moment once decided a kernel choice, and a step
-    compared with a probe timed seconds apart moved by a third."""
+    compared with a probe timed seconds apart moved by a third. Each round calls them in a new
+    order (seeded, so a run repeats): in a fixed order a call always follows the same other one,
+    whose data it finds in the cache or has to evict (a step compiled twice on one state, the
+    first copy called right after another model's step, timed 6% slower than the second)."""
     times = {name: [] for name in calls}
+    order, shuffle = list(calls), random.Random(0).shuffle
     with torch.no_grad():
         for r in range(repeats + 1):
-            for name, fn in calls.items():
+            shuffle(order)
+            for name in order:
+                fn = calls[name]
                 t = time.perf_counter()
                 fn()
                 if r:
@@ -283,7 +290,7 @@ def round_robin(calls: dict, repeats: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-CHAIN_VERSION = 4    # how the forms are timed, and which (a change re-measures)
+CHAIN_VERSION = 5    # how the forms are timed, and which (a change re-measures)
 
 
 def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule:

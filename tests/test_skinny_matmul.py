@@ -330,10 +330,14 @@ def test_measure_times_every_kernel_on_the_models_weights():
     assert matmul_choice.forms(weights, MAX_ROWS + 1) == ["tiled", "blas"]      # past what the rewrite unrolls
 
 
-def test_round_robin_calls_each_in_turn_and_drops_the_warm_up_round(monkeypatch):
+def test_round_robin_calls_each_once_a_round_in_shuffled_orders_and_drops_the_warm_up_round(monkeypatch):
     order, clock = [], iter(range(1000))
     monkeypatch.setattr(matmul_choice.time, "perf_counter", lambda: next(clock))
-    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
-    times = matmul_choice.round_robin(calls, 3)
-    assert order == ["a", "b", "c"] * 4                            # interleaved, not one after another
-    assert times == {"a": 1, "b": 1, "c": 1}                       # each call spans one tick of the clock
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c", "d")}
+    times = matmul_choice.round_robin(calls, 7)
+    rounds = [order[i:i + 4] for i in range(0, len(order), 4)]
+    assert len(rounds) == 8 and all(sorted(r) == ["a", "b", "c", "d"] for r in rounds)   # interleaved
+    assert len({tuple(r) for r in rounds}) > 1                     # no fixed order: no fixed predecessor
+    assert {r[0] for r in rounds} != {"a"}
+    assert times == {"a": 1, "b": 1, "c": 1, "d": 1}               # each call spans one tick of the clock
+    assert matmul_choice.round_robin(calls, 7) and order[32:] == order[:32]    # seeded: a run repeats
