@@ -89,84 +89,8 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     with torch.no_grad(), config.patch({**CPU_WRAPPER, **CPU_INDUCTOR} if cpu else {}), \
-            (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()), \
-            (_fewer_barriers() if cpu else contextlib.nullcontext()):
+            (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()):
         return compile_fx(gm, [fake(t, name) for t, name in zip(args, names)])
-
-
-@contextlib.contextmanager
-def _fewer_barriers():
-    """For one compilation: a C++ kernel's serial loop nests run outside its parallel region, and
-    a region's one top-level parallel loop does not wait at a barrier of its own.
-
-    Inductor fuses a kernel's loop nests into one function; where one nest is parallel it opens
-    one `omp parallel` region for all of them and runs each serial nest as `omp single`, which
-    ends in a barrier (a futex wake-up each on Linux), and ends each `omp for` with a barrier,
-    the last one just before the region's own. A step's acceptance kernel is one parallel
-    argmax followed by dozens of serial nests (a tree's accepted path moved in each KV buffer,
-    one nest a buffer): in pycoder's 2x2x2x1 MTP step that kernel took 52 us, 23 with its serial
-    nests outside the region (Inductor's kernel profile, 100 steps). Here a
-    serial nest closes the region instead and runs on the calling thread (the next parallel
-    nest opens a new one), and a region's one `omp for` is `nowait`. Where this torch's code
-    generator differs, nothing changes. The compiled-graph cache keys these compilations apart
-    (`cache_key_tag`), so none of them returns code generated the other way."""
-    try:
-        from torch._inductor.codegen.cpp import WorkSharing
-        originals = {name: getattr(WorkSharing, name) for name in ("single", "parallel", "close", "__exit__")}
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    def single(self):
-        self.close()
-        return False
-
-    def parallel(self, threads):
-        fresh = not self.in_parallel
-        originals["parallel"](self, threads)
-        if fresh and self.in_parallel:
-            self.region_start = len(self.code._lines)
-
-    def end_region(self):                       # a region ends at close() or, the kernel's last, at __exit__
-        if self.in_parallel:
-            _sole_loop_nowait(self.code._lines, getattr(self, "region_start", 0))
-
-    def close(self):
-        end_region(self)
-        originals["close"](self)
-
-    def exit(self, *exc):
-        end_region(self)
-        return originals["__exit__"](self, *exc)
-
-    tagged = hasattr(torch.compiler.config, "cache_key_tag")
-    tag = torch.compiler.config.cache_key_tag if tagged else None
-    for name, method in (("single", single), ("parallel", parallel), ("close", close), ("__exit__", exit)):
-        setattr(WorkSharing, name, method)
-    if tagged:
-        torch.compiler.config.cache_key_tag = f"{tag}|specfx:serial-loops-outside-parallel,one-loop-nowait"
-    try:
-        yield
-    finally:
-        for name, method in originals.items():
-            setattr(WorkSharing, name, method)
-        if tagged:
-            torch.compiler.config.cache_key_tag = tag
-
-
-def _sole_loop_nowait(lines: list, start: int) -> None:
-    """A parallel region's (lines[start:]) `omp for` without its barrier, the region's end being
-    one, where that loop is the region's only `omp for` and no loop encloses it (under a serial
-    outer loop, as in Inductor's outer-loop fusion, every thread runs each iteration's loops and
-    the next iteration may overwrite what this one's loop still reads)."""
-    loops = [i for i in range(start, len(lines))
-             if isinstance(lines[i], str) and lines[i].lstrip().startswith(("#pragma omp for", "for("))]
-    omp = [i for i in range(start, len(lines)) if "#pragma omp for" in str(lines[i])]
-    if len(omp) != 1 or not loops or loops[0] != omp[0]:
-        return
-    line = lines[omp[0]]
-    if isinstance(line, str) and not any(word in line for word in ("nowait", "reduction", "ordered", "lastprivate")):
-        lines[omp[0]] = line + " nowait"
 
 
 @contextlib.contextmanager

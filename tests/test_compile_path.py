@@ -60,40 +60,6 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     assert (common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE) == registered
 
 
-def test_serial_loops_run_outside_the_parallel_region():
-    """A kernel of one parallel loop (an argmax over rows as wide as a vocabulary) and serial
-    ones after it (writes of a few entries into each of several buffers, as a tree step moves
-    its accepted path in every KV buffer) runs the serial loops after the parallel region, not
-    as `omp single` blocks inside it, each of which ends in a barrier; the parallel loop, the
-    region's one, has no barrier of its own before the region's."""
-    from torch import fx
-    from torch._inductor import config
-    from torch._inductor.codegen.cpp import WorkSharing
-    from torch._inductor.utils import run_and_get_code
-
-    from specfx.runtime.compile import compile_graph
-
-    def f(logits, bufs):
-        best = logits.argmax(-1)                                  # [8]: parallel over rows
-        for i in range(6):
-            torch.ops.aten.index_put_(bufs[i], [best[:2] % 5], logits[:2, :16] + i)
-        return best
-
-    single, tag = WorkSharing.single, torch.compiler.config.cache_key_tag
-    fn = compile_graph(fx.symbolic_trace(f), "inductor")
-    logits = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0))
-    bufs = [torch.zeros(5, 16) for _ in range(6)]
-    with config.patch({"cpp.threads": 2}):       # compiled at the first call: parallel under pytest-xdist too
-        best, (code,) = run_and_get_code(fn, logits, bufs)
-    assert torch.equal(best, logits.argmax(-1))
-    for i, buf in enumerate(bufs):
-        torch.testing.assert_close(buf[logits.argmax(-1)[:2] % 5], logits[:2, :16] + i)
-    assert "#pragma omp parallel" in code and "#pragma omp single" not in code
-    assert "#pragma omp for nowait" in code                       # the region's end is its barrier
-    assert WorkSharing.single is single                           # patched during the compile only
-    assert torch.compiler.config.cache_key_tag == tag
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("draft, kernel", [("early-exit:1", "reduce"), ("ngram:2", "tiled")])
 def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft, kernel):
