@@ -27,8 +27,14 @@ Forms of the same math:
   4-row verify from 2.40 to 2.30 and a 16-row one from 4.90 to 4.24 (interleaved A/B, 15
   rounds); the fused kernel then took the decode graph from 1.693 to 1.654 ms and the 4-row
   verify from 2.224 to 2.099 (one process, round-robin, 40 rounds, a ~115-token prompt);
+  A prefill chunk (a symbolic width) takes `tiled_attend` too, in tiles of 4 query rows (each
+  tile reads its head's keys and values from the cache while they are warm): against SDPA,
+  pycoder's first token over 8 prompts of 77-119 tokens 10.56 -> 10.07 ms, over one prompt of
+  854 tokens 113.95 -> 93.93 ms (`benchmarks/prefill_attention.py`, and `--max-seq-len 1024
+  --long 900`);
 - `scaled_dot_product_attention`: elsewhere (fused kernels on CUDA), and for the CPU's wide or
-  variable-width prefill, where one product-and-sum per query and slot loses to SDPA's GEMMs.
+  variable-width prefill where the tiled kernel does not apply (soft-capping, other dtypes),
+  where one product-and-sum per query and slot loses to SDPA's GEMMs.
 Logit soft-capping (Gemma 2's `softcap`) and grouped-query attention are handled in both; a
 model that asks for anything else (attention sinks) is refused.
 """
@@ -47,6 +53,9 @@ from specfx.kernels.tiled_linear import VERSION, available, mix_fits, tiled_atte
 from specfx.passes.skinny_matmul import MATERIALIZE
 
 NAME = "specfx"
+# A wide or variable-width query (a prefill chunk) takes the tiled kernel too, where it applies
+# (float32 on the CPU, no soft-capping); False: SDPA (`benchmarks/prefill_attention.py`).
+TILED_PREFILL = True
 REDUCE_MAX_QUERIES = 16      # wider (or symbolic) query widths take SDPA even where `reduce` is set
 _IMPL = "_attn_implementation_internal"      # what a transformers config's `_attn_implementation` reads
 _UNSET = object()
@@ -166,7 +175,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         if window:           # a tree's slots past a query's position are its own rows', inside any window
             slots = torch.arange(L, device=b.positions.device)
             visible = visible & (slots > b.positions[:, :, None] - window)[:, None]
-    reduce = _reduces(b.reduce, query.shape[2])
+    reduce = _reduces(b.reduce, query.shape[2]) or (
+        b.tiled and TILED_PREFILL and not softcap and mix_fits(value.shape, value.dtype, value.device))
     out = attend(query, key[:, :, :L], value[:, :, :L], visible, scale, float(softcap or 0.0), reduce, b.tiled,
                  bias)
     return out, None
@@ -198,7 +208,7 @@ def bind(config, positions: torch.Tensor, span: torch.Tensor, *, reduce: bool, t
     for c in configs:
         setattr(c, _IMPL, NAME)
     bound = _Bound(positions, span, reduce, tiled, visible)
-    if tiled and _reduces(reduce, positions.shape[1]):
+    if tiled:
         # The tiled kernels' mask, built once ahead of the layers (outside every layer's nodes, so
         # passes that cut layers keep it) and read by every layer without a window: one buffer
         # where each layer had built a copy of its own.

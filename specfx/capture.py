@@ -200,7 +200,7 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
     kv = decoder.kv(0)[0]
     key = (width, batch_size, max_seq_len, dynamic_width, explicit_mask, decoder.reduce_attention,
-           decoder.tiled_attention, kv.dtype, kv.device, _fingerprint(model))
+           decoder.tiled_attention, attention.TILED_PREFILL, kv.dtype, kv.device, _fingerprint(model))
     models = _captures.setdefault(model, {})
     if key not in models:
         for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before

@@ -65,6 +65,27 @@ def test_fused_attention_equals_its_torch_form(B, Hkv, G, W, D):
         torch.testing.assert_close(fn(q, kv, vv, bias, torch.empty(L)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_attention_at_a_symbolic_width_equals_its_torch_form():
+    """A prefill chunk's attention: one compiled graph whose query width is symbolic (rows and
+    mask rows passed at each call), causal over a span of the cache, against the torch form at
+    several widths (whole tiles of 4 query rows and a remainder)."""
+    def f(q, kv, vv, span):
+        L, W = span.shape[0], q.shape[1]
+        pos = torch.arange(W) + (L - W)
+        bias = torch.where(torch.arange(L) <= pos[:, None], 0.0, float("-inf"))[None]      # [1, W, L]
+        return torch.ops.specfx.tiled_attend(q, kv[:, :L], vv[:, :L], bias, 0.125, tiled_linear.VERSION)
+
+    fn = compile_graph(fx.symbolic_trace(f), "inductor", dynamic={"span": (0,), "q": (1,)})
+    S, heads, D = 80, 3, 32
+    kv, vv = torch.randn(heads, S, D), torch.randn(heads, S, D)
+    for W, L in ((13, 40), (8, 64), (30, 70)):
+        q = torch.randn(heads, W, D)
+        pos = torch.arange(L - W, L)
+        bias = torch.where(torch.arange(L) <= pos[:, None], 0.0, float("-inf"))[None]
+        want = tiled_linear.attend_reference(q, kv[:, :L], vv[:, :L], bias, 0.125)
+        torch.testing.assert_close(fn(q, kv, vv, torch.empty(L)), want, rtol=1e-5, atol=1e-5)
+
+
 def test_layers_that_share_a_mask_read_one_buffer_of_it():
     """Three layers' `tiled_attend` over one mask (a tree's visibility over a span, as a verify
     graph's layers read it): the bias is computed into one buffer, not a copy for each kernel

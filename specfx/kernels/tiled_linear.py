@@ -273,15 +273,16 @@ def register() -> None:
     def _lower_attend(q, k, v, bias, scale, version):
         bias.realize()            # one buffer for every layer that reads this mask, not a copy each
         q, bias = contiguous(q), contiguous(bias)
-        heads, R, D = (int(d) for d in q.get_size())
-        B, W = (int(d) for d in bias.get_size()[:2])
+        (heads, R, D), W = q.get_size(), bias.get_size()[1]
+        heads, D, B = int(heads), int(D), int(bias.get_size()[0])
+        G = V.graph.sizevars.simplify(R / W)           # R = G * W rows, W symbolic in a prefill
         k, kb, koff = rows(k)
         v, vb, voff = rows(v)
         L = k.get_size()[1]
-        RM = attend_rows(R, D)
+        RM = attend_rows(R if isinstance(R, int) or getattr(R, "is_Integer", False) else 4, D)
         layout = ir.FixedLayout(q.get_device(), torch.float32, [heads, R, D])
         call = (f"specfx_tiled::attend<{RM}, {D}>(Q, K + {koff}, {kb}, Vv + {voff}, {vb}, S, Y, {heads}, "
-                f"{heads // B}, {R}, {W}, N, (float){float(scale)!r}, THREADS)")      # rounded as torch rounds it
+                f"{heads // B}, M, M / {int(G)}, N, (float){float(scale)!r}, THREADS)")      # rounded as torch rounds it
         params = ["const float* Q", "const float* K", "const float* Vv", "const float* S"]
         return ir.TensorBox.create(Tiled(layout, [q, k, v, bias], call, R, L, params))
 
