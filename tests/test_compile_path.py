@@ -60,6 +60,41 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     assert (common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE) == registered
 
 
+def test_cpu_graph_is_called_past_aot_wrappers_where_they_have_nothing_to_do():
+    """After the first call a CPU graph runs its compiled code directly, its parameters first (as
+    AOTAutograd orders them), with its input mutations done inside it; a graph whose output
+    aliases an input keeps AOTAutograd's wrappers (they hand back the view)."""
+    from torch import fx
+
+    from specfx.runtime.compile import compile_graph
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(8.0), requires_grad=False)
+            self.register_buffer("b", torch.full((8,), 0.5))
+
+        def forward(self, x, count):
+            count.add_(1)                                   # a state input, mutated in place
+            return (x * self.w + self.b + count,)
+
+    fn = compile_graph(fx.symbolic_trace(Scale()), "inductor")
+    x, count = torch.randn(8), torch.zeros(1)
+    with torch.no_grad():
+        first = fn(x, count)[0].clone()                      # (the next call writes its output's buffer)
+        assert fn.direct is not None
+        second = fn(x, count)[0]
+    want = lambda n: x * torch.arange(8.0) + 0.5 + n        # noqa: E731
+    torch.testing.assert_close(first, want(1.0))
+    torch.testing.assert_close(second, want(2.0))
+    assert count.item() == 2.0
+
+    view = compile_graph(fx.symbolic_trace(lambda x: (x.view(2, 4),)), "inductor")
+    y = torch.randn(8)
+    assert view(y)[0].data_ptr() == y.data_ptr() and view.direct is None
+    assert view(y)[0].data_ptr() == y.data_ptr()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft, kernel", [("early-exit:1", "reduce"), ("ngram:2", "tiled")])
 def test_cpu_step_keeps_its_buffers_on_the_stack(monkeypatch, draft, kernel):
