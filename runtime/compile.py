@@ -17,6 +17,7 @@ import contextlib
 import operator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 SPAN = {"span": (0,)}
@@ -93,6 +94,7 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
 
     cpu = all(t.device.type == "cpu" for t in args if isinstance(t, torch.Tensor))
     compiled = []
+    leaves, spec = pytree.tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args[0])
 
     def inner(graph, example_inputs, **kwargs):
         out = compile_fx_inner(graph, example_inputs, **kwargs)
@@ -106,10 +108,10 @@ def _inductor(gm: fx.GraphModule, args: list, dynamic: dict[str, tuple[int, ...]
             (functorch_config.patch(enable_autograd_cache=False) if cpu else contextlib.nullcontext()), \
             (_stack_buffers(STACK_ELEMENTS) if cpu else contextlib.nullcontext()):
         fn = compile_fx(gm, [fake(t, name) for t, name in zip(args, names)], inner_compile=inner)
-    return fn, (_direct(gm, compiled, len(args)) if cpu else None)
+    return fn, (_direct(gm, compiled, len(args), len(leaves), spec) if cpu else None)
 
 
-def _direct(gm: fx.GraphModule, compiled: list, n_args: int):
+def _direct(gm: fx.GraphModule, compiled: list, n_args: int, n_outputs: int, spec):
     """The compiled code called without AOTAutograd's runtime wrappers, or None where they do
     something: `call(flat) -> outputs`.
 
@@ -123,7 +125,9 @@ def _direct(gm: fx.GraphModule, compiled: list, n_args: int):
     compiled as one inference graph whose input mutations all happen inside it, with no outputs
     that alias an input or an intermediate, and no tensor subclasses, the wrappers only bump
     version counters (which no autograd graph here reads) and the call is the compiled code's
-    own on the parameters and the inputs, in AOTAutograd's order."""
+    own on the parameters and the inputs, in AOTAutograd's order, its flat outputs returned as
+    the graph returns them (`spec`: a tensor, or a tuple of them; taken before compiling, which
+    rewrites a graph's lone output as a tuple)."""
     if len(compiled) != 1:
         return None
     out, n_inputs, meta = compiled[0]
@@ -140,9 +144,9 @@ def _direct(gm: fx.GraphModule, compiled: list, n_args: int):
         quiet = not (meta.num_mutated_inp_runtime_indices or meta.num_outputs_aliased or meta.num_intermediate_bases)
     except (ImportError, AttributeError):  # another torch's metadata: keep its wrappers
         return None
-    if not (plain and quiet):
+    if not (plain and quiet) or n_outputs != meta.num_outputs:
         return None
-    return lambda flat: call([*params, *flat])
+    return lambda flat: pytree.tree_unflatten(call([*params, *flat]), spec)
 
 
 @contextlib.contextmanager

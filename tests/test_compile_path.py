@@ -48,7 +48,7 @@ def test_cpu_kernels_are_compiled_with_fma_contraction(monkeypatch):
     common.init_backend_registration()
     registered = common.device_codegens["cpu"].cpp_wrapper_codegen, arrayref.MAX_STACK_ALLOCATION_SIZE
     seen = []
-    monkeypatch.setattr(cfx, "compile_fx", lambda gm, args: seen.append(
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, args, **kwargs: seen.append(
         (config.cpp.enable_floating_point_contract_flag, config.cpp.min_chunk_size, config.cpp_wrapper,
          config.memory_planning,
          config.aot_inductor.allow_stack_allocation, common.device_codegens["cpu"].cpp_wrapper_codegen,
