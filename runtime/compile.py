@@ -120,10 +120,10 @@ def _direct(gm: fx.GraphModule, compiled: list, n_args: int, n_outputs: int, spe
     then Inductor's Python wrapper: tens of microseconds a call, which on the CPU is time the
     other threads wait (pycoder's fused steps, one process, shuffled round-robin, three repeats
     of 60 rounds, wrapped -> direct: decode 1.756/2.071/1.797 -> 1.669/1.911/1.727 ms, MTP chain
-    2.333/1.787/1.807 -> 2.251/1.723/1.746, 2x2x2x1 tree 2.592/2.244/2.614 -> 2.486/2.209/2.546).
-    Where the graph was
-    compiled as one inference graph whose input mutations all happen inside it, with no outputs
-    that alias an input or an intermediate, and no tensor subclasses, the wrappers only bump
+    2.333/1.787/1.807 -> 2.251/1.723/1.746, 2x2x2x1 tree 2.592/2.244/2.614 -> 2.486/2.209/2.546;
+    `benchmarks/direct_call.py` times it). Where the graph was compiled as one inference graph
+    whose input mutations all happen inside it, with no outputs that alias an input or an
+    intermediate, and no tensor subclasses, the wrappers only bump
     version counters (which no autograd graph here reads) and the call is the compiled code's
     own on the parameters and the inputs, in AOTAutograd's order, its flat outputs returned as
     the graph returns them (`spec`: a tensor, or a tuple of them; taken before compiling, which

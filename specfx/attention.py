@@ -56,7 +56,7 @@ NAME = "specfx"
 # A wide or variable-width query (a prefill chunk) takes the tiled kernel too, where it applies
 # (float32 on the CPU, no soft-capping); False: SDPA (`benchmarks/prefill_attention.py`).
 TILED_PREFILL = True
-REDUCE_MAX_QUERIES = 16      # wider (or symbolic) query widths take SDPA even where `reduce` is set
+REDUCE_MAX_QUERIES = 16      # wider (or symbolic) widths: the tiled kernel where it applies, else SDPA
 _IMPL = "_attn_implementation_internal"      # what a transformers config's `_attn_implementation` reads
 _UNSET = object()
 

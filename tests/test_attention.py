@@ -74,7 +74,7 @@ def test_cpu_forms_read_each_query_once():
                        any(m.target is torch.ops.aten.mul.Tensor for m in u.users) for u in n.users)
 
 
-def test_cpu_prefill_attention_takes_the_tiled_kernel():
+def test_cpu_prefill_attention_takes_the_tiled_kernel(monkeypatch):
     """A prefill graph (symbolic width) on the CPU runs every layer's attention through
     `tiled_attend`, over one mask; with `TILED_PREFILL` off, through SDPA. Both give the model's
     logits."""
@@ -85,16 +85,14 @@ def test_cpu_prefill_attention_takes_the_tiled_kernel():
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     want = model(ids).logits
     for tiled in (True, False):
-        monkey = attention.TILED_PREFILL
-        attention.TILED_PREFILL = tiled
-        try:                                         # the capture is remembered per form
-            decoder = StaticDecoder(model, 1, 32, reduce_attention=True)
-            gm = capture(model, width=16, max_seq_len=32, decoder=decoder, dynamic_width=True).gm
-        finally:
-            attention.TILED_PREFILL = monkey
+        monkeypatch.setattr(attention, "TILED_PREFILL", tiled)       # the capture is remembered per form
+        decoder = StaticDecoder(model, 1, 32, reduce_attention=True)
+        gm = capture(model, width=16, max_seq_len=32, decoder=decoder, dynamic_width=True).gm
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert targets.count(torch.ops.specfx.tiled_attend.default) == (2 if tiled else 0)
         assert sum("scaled_dot_product" in str(t) for t in targets) == (0 if tiled else 2)
+        if tiled:
+            assert targets.count(torch.ops.aten.where.Scalar) == 1                # one mask for every layer
         pos = torch.arange(9)[None]
         span = torch.empty(16)
         got = gm(ids, pos, span)[0]
