@@ -1,18 +1,24 @@
 """Side-by-side benchmark: every method on the same prompts, same output length, warmed up.
 
 How it measures (printed with every table):
-- each method first runs `warmup` prompts untimed (for specfx, compilation happens in
-  `specfx.compile` and is reported apart as `compile_s`);
-- then `repeats` passes over all prompts; per prompt the median wall time over repeats is kept;
+- each method is built (for specfx, compiled: reported apart as `compile_s`) and runs `warmup`
+  prompts untimed before the next method is built;
+- then `repeats` passes over all prompts, in which each prompt runs every method in a new order
+  (seeded): methods interleave, so a drift in the machine's speed (a shared virtual machine's
+  phases) reaches each alike, and no method always follows the same other one. One method after
+  another, two rows could differ by up to a fifth by the phase each ran in;
+- per prompt the median wall time over repeats is kept;
 - tokens/s = all new tokens / sum of per-prompt median times (prefill included, end to end);
 - TTFT = median over prompts of the time from the call to the first new token on the host;
 - exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
   (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
-- peak memory = CUDA allocator peak, or on CPU the process's peak RSS (kernel high-water mark).
+- peak memory = over a method's warm-up, the CUDA allocator peak, or on CPU the process's peak
+  RSS (kernel high-water mark), which includes the methods built before it.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -173,9 +179,7 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
 
     `sampling` = dict(temperature, top_k, top_p) switches every method to sampling.
     """
-    import specfx
-    from specfx.drafters import default_exit_layer, parse_draft
-    from specfx.pipeline import resolve_drafter
+    from specfx.drafters import default_exit_layer
 
     device = next(model.parameters()).device
     encoded = [tokenizer(p, return_tensors="pt").input_ids.to(device) for p in prompts]
@@ -197,65 +201,101 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
         log(f"[bench] reference: hf-greedy on {len(prompts)} prompts")
         reference = [_hf_generate(model, ids, max_new_tokens, pad_id)[0] for ids in encoded]
 
-    for method in methods:
-        base, arg = parse_method(method, default_exit, model_k or 4)
-        name = f"{base}:{arg}" if arg is not None else base
-        compile_s, fast, config = None, None, ""
-        if base.startswith(SPECFX_PREFIX):
-            draft = name[len(SPECFX_PREFIX):]
-            log(f"[bench] {name}: compiling ({backend})")
-            tree = getattr(resolve_drafter(model, parse_draft(draft)), "tree", None)   # a tree sets its own depth
-            fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
-                                  max_seq_len=max_seq_len, backend=backend)
-            compile_s = fast.capture_s + fast.compile_s
-            config = "" if draft == "none" else f"{fast.graphs.tree.size} nodes" if tree else f"k={fast.num_speculative_tokens}"
-            gen = lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling)  # noqa: E731
-        else:
-            if base in ("hf-greedy", "hf-sample") and (base == "hf-sample") != (sampling is not None):
-                raise ValueError("hf-sample is the sampling baseline: use it with --sample (and hf-greedy without)")
-            kw = _hf_kwargs(base, arg, model, max_seq_len)
-            gen = lambda ids, kw=kw: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw)  # noqa: E731
-        log(f"[bench] {name}: warm-up, then {repeats} x {len(prompts)} prompts")
-        for ids in encoded[:warmup]:
-            gen(ids)
-        times = [[] for _ in encoded]
-        ttfts = [[] for _ in encoded]
-        outputs, hist = [None] * len(encoded), []
+    built = []
+    for method in methods:          # each built, then warmed up (its peak memory) before the next
+        m = _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens, pad_id, sampling,
+                   backend, log)
+        log(f"[bench] {m.name}: warm-up")
         with PeakMemory(device) as mem:
-            for _ in range(repeats):
-                for i, ids in enumerate(encoded):
-                    toks, dt, ttft, stats = gen(ids)
-                    times[i].append(dt)
-                    ttfts[i].append(ttft)
-                    outputs[i] = toks
-                    if stats is not None:
-                        hist.append(stats)
-        if name == "hf-greedy" and sampling is None and reference is None:
-            reference = list(outputs)
-        med = [statistics.median(t) for t in times]
-        new_tokens = sum(len(o) for o in outputs)
-        run = MethodRun(
-            name=name, tokens_per_s=new_tokens / sum(med),
-            ttft_s=statistics.median(statistics.median(t) for t in ttfts), new_tokens=new_tokens,
-            peak_mem_mb=mem.peak_bytes / 2**20, compile_s=compile_s, config=config,
-            exact_match=None if reference is None else sum(o == r for o, r in zip(outputs, reference)) / len(reference),
-        )
-        if fast is not None:
-            calls = sum(s.target_calls for s in hist)
-            run.mean_accepted = sum(s.mean_accepted * s.target_calls for s in hist) / max(calls, 1)
-            if fast.num_speculative_tokens and base != "specfx:none":
-                run.acceptance_by_position = [
-                    sum(s.acceptance_by_position[j] * s.target_calls for s in hist) / max(calls, 1)
-                    for j in range(fast.num_speculative_tokens)]
-            run.draft_s, run.verify_s = fast.profile()
-            del fast
-        result.runs.append(run)
+            for ids in encoded[:warmup]:
+                m.gen(ids)
+        m.peak_bytes = mem.peak_bytes
+        built.append(m)
+    log(f"[bench] {repeats} x {len(prompts)} prompts, the {len(built)} methods in a new order for each")
+    times = [[[] for _ in encoded] for _ in built]
+    ttfts = [[[] for _ in encoded] for _ in built]
+    outputs = [[None] * len(encoded) for _ in built]
+    hist = [[] for _ in built]
+    order, shuffle = list(range(len(built))), random.Random(0).shuffle
+    for _ in range(repeats):
+        for i, ids in enumerate(encoded):
+            shuffle(order)
+            for j in order:
+                toks, dt, ttft, stats = built[j].gen(ids)
+                times[j][i].append(dt)
+                ttfts[j][i].append(ttft)
+                outputs[j][i] = toks
+                if stats is not None:
+                    hist[j].append(stats)
+    if reference is None and sampling is None:
+        reference = outputs[next(j for j, m in enumerate(built) if m.name == "hf-greedy")]
+    for j, m in enumerate(built):
+        result.runs.append(_figures(m, times[j], ttfts[j], outputs[j], hist[j], reference))
     base_tps = next((r.tokens_per_s for r in result.runs if r.name == baseline), None)
     if base_tps is None:
         log(f"[bench] {baseline} not among the methods: speedups are left empty")
     for r in result.runs:
         r.speedup_vs_hf_greedy = r.tokens_per_s / base_tps if base_tps else None
     return result
+
+
+@dataclass
+class _Method:
+    """A method ready to run: `gen(ids) -> (new tokens, seconds, TTFT seconds, stats or None)`."""
+
+    name: str
+    base: str
+    gen: object
+    fast: object = None             # the specfx model, for its acceptance and `profile()`
+    compile_s: float | None = None
+    config: str = ""
+    peak_bytes: int = 0
+
+
+def _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens, pad_id, sampling, backend,
+           log) -> _Method:
+    """`method` compiled (specfx) or set up (transformers) for the bench's prompts."""
+    import specfx
+    from specfx.drafters import parse_draft
+    from specfx.pipeline import resolve_drafter
+
+    base, arg = parse_method(method, default_exit, model_k or 4)
+    name = f"{base}:{arg}" if arg is not None else base
+    if not base.startswith(SPECFX_PREFIX):
+        if base in ("hf-greedy", "hf-sample") and (base == "hf-sample") != (sampling is not None):
+            raise ValueError("hf-sample is the sampling baseline: use it with --sample (and hf-greedy without)")
+        kw = _hf_kwargs(base, arg, model, max_seq_len)
+        return _Method(name, base, lambda ids: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw))
+    draft = name[len(SPECFX_PREFIX):]
+    log(f"[bench] {name}: compiling ({backend})")
+    tree = getattr(resolve_drafter(model, parse_draft(draft)), "tree", None)   # a tree sets its own depth
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
+                          max_seq_len=max_seq_len, backend=backend)
+    config = "" if draft == "none" else f"{fast.graphs.tree.size} nodes" if tree else f"k={fast.num_speculative_tokens}"
+    return _Method(name, base, lambda ids: _specfx_generate(fast, ids, max_new_tokens, pad_id, sampling), fast,
+                   fast.capture_s + fast.compile_s, config)
+
+
+def _figures(m: _Method, times, ttfts, outputs, hist, reference) -> MethodRun:
+    """One method's row: per-prompt medians over the repeats, acceptance, `profile()`."""
+    med = [statistics.median(t) for t in times]
+    new_tokens = sum(len(o) for o in outputs)
+    run = MethodRun(
+        name=m.name, tokens_per_s=new_tokens / sum(med),
+        ttft_s=statistics.median(statistics.median(t) for t in ttfts), new_tokens=new_tokens,
+        peak_mem_mb=m.peak_bytes / 2**20, compile_s=m.compile_s, config=m.config,
+        exact_match=None if reference is None else sum(o == r for o, r in zip(outputs, reference)) / len(reference),
+    )
+    fast = m.fast
+    if fast is not None:
+        calls = sum(s.target_calls for s in hist)
+        run.mean_accepted = sum(s.mean_accepted * s.target_calls for s in hist) / max(calls, 1)
+        if fast.num_speculative_tokens and m.base != "specfx:none":
+            run.acceptance_by_position = [
+                sum(s.acceptance_by_position[j] * s.target_calls for s in hist) / max(calls, 1)
+                for j in range(fast.num_speculative_tokens)]
+        run.draft_s, run.verify_s = fast.profile()
+    return run
 
 
 def _device_name(device: torch.device) -> str:
@@ -273,7 +313,7 @@ def render(result: BenchResult):
     s = result.settings
     mode = "greedy" if s.get("greedy", True) else "sampling " + ", ".join(f"{k}={v}" for k, v in s["sampling"].items())
     t = Table(title=f"{result.model} on {result.device}: {s['prompts']} prompts x {s['max_new_tokens']} "
-                    f"new tokens, {mode}, median of {s['repeats']} after {s['warmup']} warm-up")
+                    f"new tokens, {mode}, median of {s['repeats']} interleaved after {s['warmup']} warm-up")
     base = "hf-greedy" if s.get("greedy", True) else "hf-sample"
     for col in ("method", "tok/s", f"vs {base}", "TTFT ms", "accepted/call", "acceptance by position",
                 "draft ms", "verify ms", "peak MiB", "exact", "compile s"):

@@ -13,17 +13,19 @@ where `decode` is one plain decoding step and calls(k) the draft passes of a ste
 model's own weights, k on a stored copy: `EarlyExit`). Acceptance is measured with the drafts
 the timed graphs make (on the CPU, from the int8 copy). The prediction adds parts timed alone,
 which misranks neighbouring pairs, so the `check` pairs it predicts best then run for real,
-compiled with `backend`, over the prompts in alternating rounds against plain decoding
+compiled with `backend`, over the prompts in rounds of shuffled order against plain decoding
 (`measured_speedup`); the fastest of them is the sweet spot.
 
 `sweep_tree` does the same over draft-tree shapes of one drafter (an MTP head by default): the
 measured tokens per target call of each shape (greedy, on the prompts), its draft and verify
-times, and the predicted tokens per second, against the chain of k drafts.
+times, and the predicted tokens per second, against the chain of k drafts; the chain and the
+`check` shapes predicted fastest then run for real, and the fastest of them is the best.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -91,12 +93,13 @@ def sweep_exit(model, tokenizer, prompts: list[str], *, max_new_tokens: int = 64
     return result
 
 
-def _run_side_by_side(model, drafters: list[tuple[str, int]], encoded, max_new_tokens: int, max_seq_len: int,
-                      backend: str, rounds: int) -> list[float]:
+def _run_side_by_side(model, drafters: list[tuple[str, int | None]], encoded, max_new_tokens: int,
+                      max_seq_len: int, backend: str, rounds: int) -> list[float]:
     """Each (draft spec, k) of `drafters` against plain decoding: the median over `rounds`
-    rounds (in alternating order, so the machine's drift reaches each alike) of plain
-    decoding's seconds over the prompts divided by the drafter's. Every method makes the same
-    greedy tokens, so that is the ratio of their tokens per second."""
+    rounds (each calling them in a new seeded order, so the machine's drift reaches each alike
+    and none always follows the same other one) of plain decoding's seconds over the prompts
+    divided by the drafter's. Every method makes the same greedy tokens, so that is the ratio
+    of their tokens per second."""
     import specfx
 
     fast = []
@@ -105,8 +108,10 @@ def _run_side_by_side(model, drafters: list[tuple[str, int]], encoded, max_new_t
                                    backend=backend))
         fast[-1].generate(encoded[0], max_new_tokens=max_new_tokens)          # compile and warm up
     seconds = [[] for _ in fast]
-    for r in range(rounds):
-        for i in range(len(fast)) if r % 2 == 0 else reversed(range(len(fast))):
+    order, shuffle = list(range(len(fast))), random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for i in order:
             t = time.perf_counter()
             for ids in encoded:
                 fast[i].generate(ids, max_new_tokens=max_new_tokens)
@@ -129,17 +134,24 @@ def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
 
 
 def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: int = 3, trees=TREES,
-               max_new_tokens: int = 64, num_prompts: int = 8, backend: str = "inductor", log=print) -> SweepResult:
+               max_new_tokens: int = 64, num_prompts: int = 8, backend: str = "inductor", check: int = 3,
+               rounds: int = 5, log=print) -> SweepResult:
     """Each tree shape (and the chain of k) of `draft`: tokens per target call, draft and verify
-    ms, and predicted tokens per second relative to plain decoding and to the chain."""
+    ms, and predicted tokens per second relative to plain decoding and to the chain; then the
+    chain and the `check` trees predicted fastest run for real, `rounds` rounds each against
+    plain decoding (`measured_speedup`), and the fastest of them is the best (0: trust the
+    prediction). The parts timed alone miss what the fused step adds (a drafter's weights
+    read cold after the verify pass has streamed the model's), which can reorder close shapes."""
     import specfx
 
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
     max_seq_len = cache_length(encoded, max_new_tokens)
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, draft=draft, k=k,
-                                       trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len))
+                                       trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len,
+                                       checked=check, rounds=rounds))
     result.decode_ms = _profiled(model, "none", 1, encoded[0], max_seq_len, backend).profile()[1] * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
+    specs = []
     for tree in ((1,) * k, *trees):           # the chain first, spelled as a tree (a saved default tree aside)
         spec = tree_spec(draft, tree)
         fast = specfx.compile(model, draft=spec, max_seq_len=max_seq_len, backend="eager")
@@ -158,9 +170,21 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
                    predicted_speedup=round(tokens * result.decode_ms / step_ms, 3))
         row["vs_chain"] = round(row["predicted_speedup"] / result.rows[0]["predicted_speedup"], 3) if result.rows else 1.0
         result.rows.append(row)
+        specs.append(spec)
         log(f"[sweep] {spec}: {tokens:.2f} tokens/call, step {step_ms:.2f} ms, predicted "
             f"{row['predicted_tokens_per_s']:.0f} tok/s, {row['vs_chain']:.2f}x the chain")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
+    top = sorted(range(1, len(result.rows)), key=lambda i: -result.rows[i]["predicted_speedup"])[:check]
+    if top:
+        checked = [0, *top]                   # the chain, the reference of `measured_vs_chain`
+        speedups = _run_side_by_side(model, [(specs[i], None) for i in checked], encoded, max_new_tokens,
+                                     max_seq_len, backend, rounds)
+        for i, x in zip(checked, speedups, strict=True):
+            row = result.rows[i]
+            row["measured_speedup"] = round(x, 3)
+            row["measured_vs_chain"] = round(x / speedups[0], 3)
+            log(f"[sweep] {specs[i]}: measured {x:.2f}x plain decoding, {row['measured_vs_chain']:.2f}x the chain")
+        result.best = max((result.rows[i] for i in checked), key=lambda r: r["measured_speedup"])
     return result
 
 
@@ -169,14 +193,17 @@ def render_tree_sweep(result: SweepResult):
 
     t = Table(title=f"tree sweep of {result.settings['draft']} (plain decode step {result.decode_ms:.2f} ms; "
                     f"{result.settings['prompts']} prompts x {result.settings['max_new_tokens']} tokens)")
-    for col in ("tree", "nodes", "tokens/call", "draft ms", "verify ms", "step ms", "predicted tok/s", "vs chain"):
+    for col in ("tree", "nodes", "tokens/call", "draft ms", "verify ms", "step ms", "predicted tok/s", "vs chain",
+                "measured vs none", "measured vs chain"):
         t.add_column(col, justify="right")
     for r in result.rows:
-        name = _shape_name(r)
-        t.add_row(name, str(r["nodes"]), f"{r['tokens_per_call']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}",
-                  f"{r['step_ms']:.2f}", f"{r['predicted_tokens_per_s']:.0f}", f"{r['vs_chain']:.2f}x",
+        measured = "measured_speedup" in r
+        t.add_row(_shape_name(r), str(r["nodes"]), f"{r['tokens_per_call']:.2f}", f"{r['draft_ms']:.2f}",
+                  f"{r['verify_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['predicted_tokens_per_s']:.0f}",
+                  f"{r['vs_chain']:.2f}x", f"{r['measured_speedup']:.2f}x" if measured else "-",
+                  f"{r['measured_vs_chain']:.2f}x" if measured else "-",
                   style="bold green" if r is result.best else None)
-    t.caption = "best: " + _shape_name(result.best)
+    t.caption = "best: " + _shape_name(result.best) + (" (measured)" if "measured_speedup" in result.best else "")
     return t
 
 

@@ -127,15 +127,25 @@ def test_sweeps_time_the_graphs_the_backend_builds(monkeypatch, backend, skinny)
     assert built["backend"] == "eager" and built["skinny_matmul"] is skinny
 
 
-def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path, capsys):
+def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path, capsys, monkeypatch):
     """`specfx bench --sweep-tree`: the chain and each tree shape of an MTP head, with tokens
-    per call and predicted speed; --save-default stores the best tree (none if the chain wins),
-    which `MTPHead()` then drafts."""
+    per call and predicted speed; the chain and the two shapes predicted fastest then run side
+    by side, and the fastest of those by measurement is the best; --save-default stores it
+    (none if the chain wins), which `MTPHead()` then drafts."""
     import shutil
 
     import specfx
+    from specfx import sweep
     from specfx.cli.common import load_model
     from specfx.mtp import new_head, save_head
+
+    ran = []
+
+    def side_by_side(model, drafters, *args):      # the last checked (predicted slowest of them) runs fastest
+        ran.append([d for d, _ in drafters])
+        return [1.0 + 0.1 * i for i in range(len(drafters))]
+
+    monkeypatch.setattr(sweep, "_run_side_by_side", side_by_side)
 
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # --save-default edits config.json
     model, _, _ = load_model(str(path))
@@ -143,12 +153,16 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     out = tmp_path / "sweep.json"
     rc = main(["bench", str(path), "--sweep-tree", "--sweep-draft", f"mtp:{head}", "--trees", "2x1,3x2,1x1x1",
                "--save-default", "-k", "2", "--num-prompts", "1", "--max-new-tokens", "6", "--backend", "eager",
-               "--json", str(out)])
+               "--check", "2", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2], [1, 1, 1]] and [r["nodes"] for r in rows] == [2, 3, 5, 3]
     assert all(r["step_ms"] > 0 and r["tokens_per_call"] >= 1 for r in rows) and data["best"] in rows
+    top = sorted(rows[1:], key=lambda r: -r["predicted_speedup"])[:2]
+    assert len(ran) == 1 and len(ran[0]) == 3 and ran[0][0].endswith("tree=1x1")      # the chain, then the top two
+    assert [r.get("measured_vs_chain") for r in [rows[0], *top]] == [1.0, 1.1, 1.2]
+    assert data["best"] == top[1] and all("measured_speedup" not in r for r in rows[1:] if r not in top)
     printed = capsys.readouterr().out
     assert "tree sweep" in printed and "chain of 2" in printed and "chain of 3" in printed   # a deeper chain by its own length
     saved = json.loads((path / "config.json").read_text()).get("specfx_mtp_tree")
@@ -247,3 +261,31 @@ def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
     assert calls == (4 if draft in ("early-exit:2", "draft-model:pycoder-draft") else 0)
     assert verify_s >= VERIFY
     assert calls * DRAFT <= draft_s < VERIFY
+
+
+def test_bench_interleaves_methods_in_a_new_order_for_each_prompt(checkpoint, monkeypatch):
+    """Every repeat runs each prompt through every method, in a seeded order that changes, so a
+    drift in the machine's speed reaches each method alike; warm-ups run before the first round."""
+    from specfx import bench
+    from specfx.cli.common import load_model
+
+    model, tok, _ = load_model(str(checkpoint))
+    calls = []
+
+    def fake_build(model, method, *args):
+        def gen(ids):
+            calls.append((method, ids.shape[1]))
+            return [1, 2], 0.01, 0.001, None
+        return bench._Method(method, method, gen)
+
+    monkeypatch.setattr(bench, "_build", fake_build)
+    prompts = ["def f(x):", "import os\nimport sys", "class A:\n    pass", "x = 1"]
+    methods = ["hf-greedy", "hf-early-exit:1", "hf-prompt-lookup:2"]
+    result = bench.run_bench(model, tok, prompts, methods, model_name="tiny", repeats=3, warmup=1, log=lambda m: None)
+    assert [r.name for r in result.runs] == methods and all(r.exact_match == 1.0 for r in result.runs)
+    widths = [tok(p, return_tensors="pt").input_ids.shape[1] for p in prompts]
+    assert calls[:3] == [(m, widths[0]) for m in methods]                    # each method's warm-up
+    timed = [calls[3 + 3 * i: 6 + 3 * i] for i in range(3 * len(prompts))]
+    assert [{w for _, w in group} for group in timed] == [{w} for w in widths * 3]   # a prompt at a time
+    assert all(sorted(m for m, _ in group) == sorted(methods) for group in timed)    # every method once
+    assert len({tuple(m for m, _ in group) for group in timed}) > 1                   # in changing orders

@@ -56,7 +56,8 @@ def add_parser(sub):
     p.add_argument("--exit-layers", default=None,
                    help="with --sweep-exit: the exit layers to try, comma-separated (default: every one)")
     p.add_argument("--sweep-tree", action="store_true",
-                   help="try draft-tree shapes of --sweep-draft against its chain of k; print the best")
+                   help="try draft-tree shapes of --sweep-draft against its chain of k, run the chain and the "
+                        "three best predictions for real; print the best")
     p.add_argument("--sweep-draft", default="mtp",
                    help="with --sweep-tree: the drafter (default: the model's MTP head)")
     p.add_argument("--trees", default=None,
@@ -64,7 +65,17 @@ def add_parser(sub):
     p.add_argument("--save-default", action="store_true",
                    help="with --sweep-exit: store the best (exit layer, k) in the model's config.json; with "
                         "--sweep-tree: the best tree as the model's default MTP tree")
+    p.add_argument("--check", type=int, default=None,
+                   help="with a sweep: how many of the best predictions run for real (default: 5 exit pairs, "
+                        "3 trees; 0 trusts the prediction)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="with a sweep: rounds of those runs, each in a new order (default: 3 exit pairs, 5 trees)")
     return p
+
+
+def _checks(args) -> dict:
+    """The sweep's `check` and `rounds` where given (else the sweep's own defaults)."""
+    return {name: getattr(args, name) for name in ("check", "rounds") if getattr(args, name) is not None}
 
 
 def _tree_shape(text: str) -> tuple[int, ...]:
@@ -92,7 +103,7 @@ def _sweep_tree(args, model, tok, prompts, path, console) -> int:
     k = args.num_speculative_tokens or getattr(model.config, "specfx_num_speculative_tokens", None) or 3
     trees = TREES if not args.trees else tuple(_tree_shape(t) for t in args.trees.split(","))
     result = sweep_tree(model, tok, prompts, draft=args.sweep_draft, k=k, trees=trees, max_new_tokens=args.max_new_tokens,
-                        num_prompts=args.num_prompts or 8, backend=args.backend,
+                        num_prompts=args.num_prompts or 8, backend=args.backend, **_checks(args),
                         log=lambda m: console.print(m, style="dim", markup=False))
     _report_sweep(result, render_tree_sweep(result), args, console)
     if args.save_default:
@@ -121,7 +132,7 @@ def run(args) -> int:
 
         layers = None if args.exit_layers is None else [int(e) for e in args.exit_layers.split(",")]
         result = sweep_exit(model, tok, prompts, max_new_tokens=args.max_new_tokens, backend=args.backend,
-                            layers=layers, log=lambda m: console.print(m, style="dim", markup=False))
+                            layers=layers, **_checks(args), log=lambda m: console.print(m, style="dim", markup=False))
         _report_sweep(result, render_sweep(result), args, console)
         if args.save_default:
             save_default(path, result.best)
