@@ -1,12 +1,12 @@
-"""Drafters side by side in alternating rounds: which is faster, with the machine's drift shared.
+"""Drafters side by side, interleaved prompt by prompt: which is faster, with the machine's drift shared.
 
-`specfx bench` runs one method after another, so on a machine whose speed drifts (a shared
-virtual machine) two rows can differ by the phase they ran in. This compiles every drafter
-spec given, then runs rounds over the same prompts (128 new tokens each), alternating the
-order of the methods from round to round, and prints each method's tokens per second per
-round, its ratio to the first method in the same round, and the medians; then where a call's
-time goes: time to first token, and the steps (milliseconds per step in the generate loop,
-tokens per step), each against the first method's.
+On a machine whose speed drifts (a shared virtual machine) two methods timed one after another
+can differ by the phase they ran in. This compiles every drafter spec given, then runs rounds
+over the same prompts (128 new tokens each), each prompt running every method in a new seeded
+order, and prints each method's tokens per second per round, its ratio to the first method in
+the same round, and the medians; then where a call's time goes: time to first token, and the
+steps (milliseconds per step in the generate loop, tokens per step), each against the first
+method's.
 
     python benchmarks/interleaved.py [--drafts mtp,mtp@4,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 5]
                                      [--num-prompts 8] [--json benchmarks/cpu/interleaved.json]
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -52,19 +53,24 @@ def main() -> None:
     accepted = {s: [] for s in specs}
     ttft = {s: [] for s in specs}
     loop = {s: [0.0, 0, 0] for s in specs}                       # seconds after the first token, steps, tokens
+    order, shuffle = list(specs), random.Random(0).shuffle
     for r in range(args.rounds):
-        for s in specs if r % 2 == 0 else specs[::-1]:
-            t, n = time.perf_counter(), 0
-            for ids in prompts:
+        spent, made = dict.fromkeys(specs, 0.0), dict.fromkeys(specs, 0)
+        for ids in prompts:
+            shuffle(order)
+            for s in order:
+                t = time.perf_counter()
                 out = fast[s].generate(ids, max_new_tokens=args.max_new_tokens)
-                n += out.shape[1] - ids.shape[1]
+                spent[s] += time.perf_counter() - t
+                made[s] += out.shape[1] - ids.shape[1]
                 st = fast[s].last_stats
                 accepted[s].append(st.mean_accepted)
                 ttft[s].append(st.ttft_s)
                 loop[s][0] += st.total_s - st.ttft_s
                 loop[s][1] += st.steps
                 loop[s][2] += st.new_tokens - 1
-            rates[s].append(n / (time.perf_counter() - t))
+        for s in specs:
+            rates[s].append(made[s] / spent[s])
         print(f"round {r}: " + "  ".join(f"{s} {rates[s][-1]:.1f} tok/s" for s in specs), flush=True)
     rows = []
     step_ms = {s: loop[s][0] / max(loop[s][1], 1) * 1e3 for s in specs}
