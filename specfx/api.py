@@ -30,7 +30,7 @@ class SpeculativeModel:
                  sync_every: int = 8, warmup: bool = True, cudagraphs="auto", skinny_matmul: bool | str | None = None,
                  prefill_chunk: int = pipeline.PREFILL_CHUNK):
         self.model = model.eval()
-        drafter = pipeline.resolve_drafter(model, parse_draft(draft))
+        drafter = pipeline.resolve_drafter(model, parse_draft(draft), num_speculative_tokens)
         tree = getattr(drafter, "tree", None)
         if tree is not None and num_speculative_tokens not in (None, len(tree)):
             raise ValueError(f"draft {drafter}: the tree sets the drafts per step (depth {len(tree)}); "
@@ -113,7 +113,9 @@ def compile(model=None, *, draft=None, num_speculative_tokens: int | None = None
             prefill_chunk: int = pipeline.PREFILL_CHUNK):
     """Compile `model` for speculative decoding; with no model, return a decorator.
 
-    `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4. With
+    `num_speculative_tokens=None` takes the model's tuned k (zoo models) or 4; an MTP head
+    drafts the model's default tree (`config.specfx_mtp_tree`, saved by `specfx bench
+    --sweep-tree --save-default`) where the draft names no tree and no k is given. With
     `warmup=False` compilation happens at the first `generate` instead of here. On CUDA the
     step is captured as one CUDA graph (`cudagraphs="auto"`; False turns it off).
     `skinny_matmul` rewrites few-row matmuls where a measurement on this machine says the

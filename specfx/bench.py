@@ -268,7 +268,7 @@ def _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens,
         return _Method(name, base, lambda ids: _hf_generate(model, ids, max_new_tokens, pad_id, sampling, **kw))
     draft = name[len(SPECFX_PREFIX):]
     log(f"[bench] {name}: compiling ({backend})")
-    tree = getattr(resolve_drafter(model, parse_draft(draft)), "tree", None)   # a tree sets its own depth
+    tree = getattr(resolve_drafter(model, parse_draft(draft), k), "tree", None)   # a tree sets its own depth
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=None if tree else k,
                           max_seq_len=max_seq_len, backend=backend)
     config = "" if draft == "none" else f"{fast.graphs.tree.size} nodes" if tree else f"k={fast.num_speculative_tokens}"

@@ -77,8 +77,8 @@ def inspect_model(model, draft, *, name: str = "model", k: int | None = None,
         skinny_matmul = next(model.parameters()).device.type == "cpu"
     from specfx.pipeline import resolve_drafter
 
-    if getattr(resolve_drafter(model, specfx.parse_draft(draft)), "tree", None) is not None:
-        k = None                    # the tree sets the drafts per step
+    if getattr(resolve_drafter(model, specfx.parse_draft(draft), k), "tree", None) is not None:
+        k = None                    # a tree sets the drafts per step (a k asks for a chain: no default tree)
     fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
                           backend="eager", warmup=False, skinny_matmul=skinny_matmul)
     g = fast.graphs

@@ -248,7 +248,7 @@ def build(model, drafter, *, k: int, batch_size: int, max_seq_len: int,
         raise ValueError(f"batch_size must be >= 1 and max_seq_len >= 2, got {batch_size}, {max_seq_len}")
     if prefill_chunk < 2:
         raise ValueError(f"prefill_chunk must be >= 2, got {prefill_chunk}")
-    drafter = resolve_drafter(model, drafter)
+    drafter = resolve_drafter(model, drafter, k)
     builder = _BUILDERS.get(type(drafter))
     if builder is None:
         raise TypeError(f"no pipeline for drafter {drafter!r}")
@@ -431,12 +431,13 @@ def _build_draft_model(ctx: BuildContext) -> Drafting:
                     extra_kv=d.kv)
 
 
-def resolve_drafter(model, drafter):
+def resolve_drafter(model, drafter, k: int | None = None):
     """Fill in model defaults (the exit layer, an MTP head's tree: `config.specfx_exit_layer`,
-    `config.specfx_mtp_tree`, set by the sweeps) so the config names what will run."""
+    `config.specfx_mtp_tree`, set by the sweeps) so the config names what will run. The default
+    tree applies where no `k` is asked (a k asks for the chain of k)."""
     if isinstance(drafter, EarlyExit) and drafter.layer is None:
         return dataclasses.replace(drafter, layer=default_exit_layer(model))
     tree = getattr(model.config, "specfx_mtp_tree", None)
-    if isinstance(drafter, MTPHead) and drafter.tree is None and tree:
+    if isinstance(drafter, MTPHead) and drafter.tree is None and tree and k is None:
         return dataclasses.replace(drafter, tree=tuple(tree))
     return drafter

@@ -173,6 +173,13 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     model2, _, _ = load_model(str(path))
     fast = specfx.compile(model2, draft=specfx.MTPHead(str(head)), max_seq_len=32, backend="eager")
     assert fast.graphs.tree == specfx.runtime.tree.Tree.spine((2, 1)) and fast.num_speculative_tokens == 2
+    # A k asks for the chain of k (the default tree applies when neither is given); a tree named
+    # in the draft and a k that disagrees with its depth are refused.
+    chain = specfx.compile(model2, draft=specfx.MTPHead(str(head)), num_speculative_tokens=3, max_seq_len=32,
+                           backend="eager")
+    assert chain.graphs.tree == specfx.runtime.tree.Tree.spine((1, 1, 1)) and chain.num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="disagrees"):
+        specfx.compile(model2, draft=specfx.MTPHead(str(head), tree=(2, 1)), num_speculative_tokens=3, backend="eager")
     torch._dynamo.reset()
 
 
