@@ -1,11 +1,12 @@
 """What `SpeculativeModel.profile()` reports for each drafter's verify graph against the decode
 graph of plain decoding: the ratio the CPU goal states (a 4-row verify at most 1.15x a decode).
 
-`profile()` times each graph alone, repeated, as `specfx bench` does for its draft and verify
-columns. This compiles each drafter on pycoder, generates 64 tokens, then calls `profile()` on
-each in alternating rounds (the order reversed every other round) and prints the medians.
+`profile()` times each graph compiled alone, as `specfx bench` does for its draft and verify
+columns. This compiles each drafter on pycoder, generates 64 tokens, then times every
+drafter's parts together in shuffled rounds (`matmul_choice.round_robin`, as the bench does),
+`--repeats` times over, and prints each verify's medians and its ratio to the first drafter's.
 
-    python benchmarks/verify_cost.py [--drafts none,mtp,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 7] [--repeats 30]
+    python benchmarks/verify_cost.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--rounds 60] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -15,28 +16,35 @@ import statistics
 
 import specfx
 from specfx import zoo
+from specfx.matmul_choice import round_robin
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafts", default="none,mtp,mtp:pycoder-mtp:tree=2x2x2x1", help="the first is the reference")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--drafts", default="none,mtp:pycoder-mtp:tree=1x1x1,mtp",
+                    help="the first is the reference (pycoder's `mtp` drafts its default tree; tree=1x1x1 is the chain)")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
     ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
-    fast = {d: specfx.compile(model, draft=d, max_seq_len=256) for d in args.drafts.split(",")}
-    for f in fast.values():
+    drafts = args.drafts.split(",")
+    fast = {d: specfx.compile(model, draft=d, max_seq_len=256) for d in drafts}
+    calls = {}
+    for d, f in fast.items():
         f.generate(ids, max_new_tokens=64)
-    ms = {d: [] for d in fast}
-    order = list(fast.items())
-    for r in range(args.rounds):
-        for d, f in (order if r % 2 == 0 else order[::-1]):
-            ms[d].append(f.profile(repeats=args.repeats)[1] * 1e3)
-    first = statistics.median(next(iter(ms.values())))
-    for d, t in ms.items():
-        m = statistics.median(t)
-        print(f"{d}: verify {m:.3f} ms ({m / first:.3f}x), by round {' '.join(f'{x:.3f}' for x in t)}")
+        rt = f.runtime
+        calls[d] = rt.verify_part, {(d, name): call for name, (call, _) in rt.profile_calls().items()}
+    verify = {d: [] for d in drafts}
+    for _ in range(args.repeats):
+        seconds = round_robin({key: call for _, parts in calls.values() for key, call in parts.items()}, args.rounds)
+        for d, (part, _) in calls.items():
+            verify[d].append(seconds[(d, part)] * 1e3)
+    first = statistics.median(verify[drafts[0]])
+    for d, ms in verify.items():
+        m = statistics.median(ms)
+        rows = fast[d].graphs.tree.size + 1
+        print(f"{d}: {rows} rows, verify {m:.3f} ms ({m / first:.3f}x), by repeat {' '.join(f'{x:.3f}' for x in ms)}")
 
 
 if __name__ == "__main__":

@@ -279,15 +279,28 @@ class Runtime:
         lookup has no draft graph (its n-gram match is a few tensor ops). Verifying is one call
         of the verify graph (or, without a drafter, the decode graph).
         """
+        seconds = {name: _median_time(call, repeats, self.device) for name, (call, _) in self.profile_calls().items()}
+        return self.profile_totals(seconds)
+
+    @torch.no_grad()
+    def profile_calls(self) -> dict:
+        """part name -> (a call of it compiled alone, its calls per step), as `profile` times them
+        (the span covering one more step); a caller may time several models' parts together."""
         g = self.graphs
         self.cover(steps=1)
-        self.draft_s, exit_hidden = 0.0, None
-        for name, calls in g.draft_calls.items():
-            call = self.part_call(name, exit_hidden)
-            self.draft_s += _median_time(call, repeats, self.device) * calls
+        calls, exit_hidden = {}, None
+        for name, count in g.draft_calls.items():
+            calls[name] = (self.part_call(name, exit_hidden), count)
             if name == "draft":
-                exit_hidden = call()[-1]              # early exit on the model's weights: feeds verify
-        self.verify_s = _median_time(self.part_call(self.verify_part, exit_hidden), repeats, self.device)
+                exit_hidden = calls[name][0]()[-1]    # early exit on the model's weights: feeds verify
+        calls[self.verify_part] = (self.part_call(self.verify_part, exit_hidden), 1)
+        return calls
+
+    def profile_totals(self, seconds: dict) -> tuple[float, float]:
+        """(draft, verify) seconds per step from each part's seconds a call (`profile_calls`'
+        names); sets `draft_s` and `verify_s`."""
+        self.draft_s = sum(seconds[name] * count for name, count in self.graphs.draft_calls.items())
+        self.verify_s = seconds[self.verify_part]
         return self.draft_s, self.verify_s
 
     @property

@@ -12,12 +12,15 @@ How it measures (printed with every table):
 - TTFT = median over prompts of the time from the call to the first new token on the host;
 - exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
   (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
+- draft ms, verify ms = `SpeculativeModel.profile()`'s parts (each graph compiled alone), every
+  specfx method's timed together in shuffled rounds after the passes;
 - peak memory = over a method's warm-up, the CUDA allocator peak, or on CPU the process's peak
   RSS (kernel high-water mark), which includes the methods built before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -229,8 +232,9 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
                     hist[j].append(stats)
     if reference is None and sampling is None:
         reference = outputs[next(j for j, m in enumerate(built) if m.name == "hf-greedy")]
+    parts = _profile_together(built)
     for j, m in enumerate(built):
-        result.runs.append(_figures(m, times[j], ttfts[j], outputs[j], hist[j], reference))
+        result.runs.append(_figures(m, times[j], ttfts[j], outputs[j], hist[j], reference, parts.get(j)))
     base_tps = next((r.tokens_per_s for r in result.runs if r.name == baseline), None)
     if base_tps is None:
         log(f"[bench] {baseline} not among the methods: speedups are left empty")
@@ -276,8 +280,36 @@ def _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens,
                    fast.capture_s + fast.compile_s, config)
 
 
-def _figures(m: _Method, times, ttfts, outputs, hist, reference) -> MethodRun:
-    """One method's row: per-prompt medians over the repeats, acceptance, `profile()`."""
+def _profile_together(built: list[_Method], repeats: int = 20) -> dict[int, tuple[float, float]]:
+    """method index -> (draft, verify) seconds a step, as `SpeculativeModel.profile()` gives them,
+    every specfx method's draft and verify graphs timed together in `repeats` shuffled rounds
+    (`matmul_choice.round_robin`), so their ratios (a verify against plain decoding's decode
+    graph) share the machine's drift: timed one method after another, a 4-row verify against
+    the decode graph moved between 1.1x and 1.3x from run to run."""
+    from specfx.matmul_choice import round_robin
+
+    calls, runtimes = {}, {}
+    with contextlib.ExitStack() as locks:
+        for j, m in enumerate(built):
+            if m.fast is None:
+                continue
+            locks.enter_context(m.fast.runtime.state.lock)
+            runtimes[j] = m.fast.runtime
+            for name, (call, _) in runtimes[j].profile_calls().items():
+                calls[(j, name)] = _synced(call, runtimes[j].device)
+        seconds = round_robin(calls, repeats) if calls else {}
+    return {j: rt.profile_totals({name: t for (i, name), t in seconds.items() if i == j}) for j, rt in runtimes.items()}
+
+
+def _synced(call, device: torch.device):
+    """`call`, then a wait for the device (on CUDA), so that its time is the kernels'."""
+    if device.type != "cuda":
+        return call
+    return lambda: (call(), torch.cuda.synchronize(device))
+
+
+def _figures(m: _Method, times, ttfts, outputs, hist, reference, parts) -> MethodRun:
+    """One method's row: per-prompt medians over the repeats, acceptance, `profile()`'s parts."""
     med = [statistics.median(t) for t in times]
     new_tokens = sum(len(o) for o in outputs)
     run = MethodRun(
@@ -294,7 +326,7 @@ def _figures(m: _Method, times, ttfts, outputs, hist, reference) -> MethodRun:
             run.acceptance_by_position = [
                 sum(s.acceptance_by_position[j] * s.target_calls for s in hist) / max(calls, 1)
                 for j in range(fast.num_speculative_tokens)]
-        run.draft_s, run.verify_s = fast.profile()
+        run.draft_s, run.verify_s = parts
     return run
 
 

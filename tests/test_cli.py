@@ -19,7 +19,12 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def test_bench_json_has_every_field(checkpoint, tmp_path, capsys):
+def test_bench_json_has_every_field(checkpoint, tmp_path, capsys, monkeypatch):
+    from specfx import matmul_choice
+
+    timed = []                      # the draft and verify columns: every specfx method's parts in one round-robin
+    monkeypatch.setattr(matmul_choice, "round_robin", lambda calls, repeats: timed.append(sorted(calls)) or
+                        dict.fromkeys(calls, 1e-3))
     out = tmp_path / "bench.json"
     rc = main(["bench", str(checkpoint), "--methods", "hf-greedy,hf-early-exit:1,specfx:none,specfx:early-exit:2",
                "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0",
@@ -36,6 +41,8 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys):
         assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0
     ee = data["runs"][-1]
     assert len(ee["acceptance_by_position"]) == 3 and ee["draft_s"] > 0 and ee["verify_s"] > 0
+    assert timed == [[(2, "decode"), (3, "draft"), (3, "verify")]]
+    assert data["runs"][2]["verify_s"] == 1e-3 and ee["draft_s"] == pytest.approx(4e-3)   # k + 1 = 4 draft calls
     assert "vs hf-greedy" in capsys.readouterr().out
 
 
