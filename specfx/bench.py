@@ -13,7 +13,8 @@ How it measures (printed with every table):
 - exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
   (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
 - draft ms, verify ms = `SpeculativeModel.profile()`'s parts (each graph compiled alone), every
-  specfx method's timed together in shuffled rounds after the passes;
+  specfx method's timed together in shuffled rounds after the passes, a draft graph's calls of
+  one step in a row (the first reads its weights cold, as after a verify pass);
 - peak memory = over a method's warm-up, the CUDA allocator peak, or on CPU the process's peak
   RSS (kernel high-water mark), which includes the methods built before it.
 """
@@ -285,20 +286,24 @@ def _profile_together(built: list[_Method], repeats: int = 20) -> dict[int, tupl
     every specfx method's draft and verify graphs timed together in `repeats` shuffled rounds
     (`matmul_choice.round_robin`), so their ratios (a verify against plain decoding's decode
     graph) share the machine's drift: timed one method after another, a 4-row verify against
-    the decode graph moved between 1.1x and 1.3x from run to run."""
+    the decode graph moved between 1.1x and 1.3x from run to run. A part a step calls n times
+    is timed as n calls in a row, the first finding its weights cold as in a step, the others
+    in the cache."""
     from specfx.matmul_choice import round_robin
 
-    calls, runtimes = {}, {}
+    calls, counts, runtimes = {}, {}, {}
     with contextlib.ExitStack() as locks:
         for j, m in enumerate(built):
             if m.fast is None:
                 continue
             locks.enter_context(m.fast.runtime.state.lock)
             runtimes[j] = m.fast.runtime
-            for name, (call, _) in runtimes[j].profile_calls().items():
-                calls[(j, name)] = _synced(call, runtimes[j].device)
+            for name, (call, n) in runtimes[j].profile_calls().items():
+                calls[(j, name)] = _synced(lambda call=call, n=n: [call() for _ in range(n)], runtimes[j].device)
+                counts[(j, name)] = n
         seconds = round_robin(calls, repeats) if calls else {}
-    return {j: rt.profile_totals({name: t for (i, name), t in seconds.items() if i == j}) for j, rt in runtimes.items()}
+    return {j: rt.profile_totals({name: t / counts[(i, name)] for (i, name), t in seconds.items() if i == j})
+            for j, rt in runtimes.items()}
 
 
 def _synced(call, device: torch.device):
