@@ -74,6 +74,13 @@ def no_sync_allowed():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _graphed(fast, sample: bool):
+    """The captured step for greedy or sampling (the runtime keys captures by (sample, filters))."""
+    steps = [step for (drawn, _), step in fast.runtime._graphed.items() if drawn == sample]
+    assert len(steps) == 1, list(fast.runtime._graphed)
+    return steps[0]
+
+
 def _generate(fast, ids, graphed: bool, sample: bool):
     fast.runtime.cudagraphs = graphed     # the same compiled step, replayed as a graph or called directly
     kw = dict(do_sample=True, seed=5) if sample else {}
@@ -89,7 +96,7 @@ def test_replay_equals_the_unreplayed_compiled_step(on_cuda, sample):
     graphed = _generate(fast, ids, True, sample)          # captures on first use
     plain = _generate(fast, ids, False, sample)
     assert torch.equal(graphed, plain)
-    step = fast.runtime._graphed[sample]
+    step = _graphed(fast, sample)
     assert step.warmup_runs == step.warmup
     step.buffers.check()
     if not sample:
@@ -112,7 +119,7 @@ def test_compiled_step_and_generate_loop_do_not_sync(on_cuda, sample):
         graphed = _generate(fast, ids, True, sample)      # the whole loop, the step replayed
         plain = _generate(fast, ids, False, sample)       # the whole loop, the step called
     assert torch.equal(graphed, expected) and torch.equal(plain, expected)
-    rt._graphed[sample].buffers.check()
+    _graphed(fast, sample).buffers.check()
 
 
 @cuda
@@ -124,3 +131,24 @@ def test_half_precision_greedy_matches_model_generate_in_the_same_dtype(dtype):
     ids = torch.randint(3, 96, (1, 9), device="cuda")
     ours = fast.generate(ids, max_new_tokens=24, eos_token_id=[])
     assert_greedy_equal(model, ours.cpu(), hf_greedy(model, ids, 24).cpu(), 9)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_tree_step_replays_as_it_runs_and_keeps_greedy_exact(tmp_path, sample):
+    """A draft tree's step (an MTP head's spine tree, pycoder's default kind) captured as a CUDA
+    graph: replayed, it makes what the compiled step makes, and greedy stays the model's."""
+    from specfx.mtp import new_head, save_head
+
+    model = tiny_model("llama", layers=2, seed=3).cuda()
+    head = save_head(new_head(model), tmp_path / "head", model)
+    fast = specfx.compile(model, draft=specfx.MTPHead(head, tree=(2, 2, 1)), max_seq_len=64, backend="inductor",
+                          cudagraphs=True)
+    ids = torch.randint(3, 96, (1, 7), device="cuda")
+    graphed = _generate(fast, ids, True, sample)
+    plain = _generate(fast, ids, False, sample)
+    assert torch.equal(graphed, plain)
+    _graphed(fast, sample).buffers.check()
+    if not sample:
+        assert_greedy_equal(model, graphed.cpu(), hf_greedy(model, ids, 24).cpu(), 7)
