@@ -33,7 +33,7 @@ def compiled(model, spec: str, max_seq_len: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafts", default="mtp,mtp:pycoder-mtp:tree=2x2x2x1,mtp:pycoder-mtp:tree=4x2x2x1,none",
+    ap.add_argument("--drafts", default="mtp:pycoder-mtp:tree=1x1x1,mtp,mtp:pycoder-mtp:tree=4x2x2x1,none",
                     help="drafter specs, comma-separated, each DRAFT or DRAFT@K (K drafts a step); "
                          "the first is the reference")
     ap.add_argument("--rounds", type=int, default=5)
