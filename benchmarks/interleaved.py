@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
 import specfx
 from specfx import zoo
-from specfx.bench import cache_length
+from specfx.bench import cache_length, interleave
 
 
 def compiled(model, spec: str, max_seq_len: int):
@@ -53,22 +52,22 @@ def main() -> None:
     accepted = {s: [] for s in specs}
     ttft = {s: [] for s in specs}
     loop = {s: [0.0, 0, 0] for s in specs}                       # seconds after the first token, steps, tokens
-    order, shuffle = list(specs), random.Random(0).shuffle
+    calls = interleave(len(prompts), len(specs), args.rounds)
     for r in range(args.rounds):
         spent, made = dict.fromkeys(specs, 0.0), dict.fromkeys(specs, 0)
-        for ids in prompts:
-            shuffle(order)
-            for s in order:
-                t = time.perf_counter()
-                out = fast[s].generate(ids, max_new_tokens=args.max_new_tokens)
-                spent[s] += time.perf_counter() - t
-                made[s] += out.shape[1] - ids.shape[1]
-                st = fast[s].last_stats
-                accepted[s].append(st.mean_accepted)
-                ttft[s].append(st.ttft_s)
-                loop[s][0] += st.total_s - st.ttft_s
-                loop[s][1] += st.steps
-                loop[s][2] += st.new_tokens - 1
+        for _ in range(len(prompts) * len(specs)):           # this round's calls
+            p, j = next(calls)
+            s, ids = specs[j], prompts[p]
+            t = time.perf_counter()
+            out = fast[s].generate(ids, max_new_tokens=args.max_new_tokens)
+            spent[s] += time.perf_counter() - t
+            made[s] += out.shape[1] - ids.shape[1]
+            st = fast[s].last_stats
+            accepted[s].append(st.mean_accepted)
+            ttft[s].append(st.ttft_s)
+            loop[s][0] += st.total_s - st.ttft_s
+            loop[s][1] += st.steps
+            loop[s][2] += st.new_tokens - 1
         for s in specs:
             rates[s].append(made[s] / spent[s])
         print(f"round {r}: " + "  ".join(f"{s} {rates[s][-1]:.1f} tok/s" for s in specs), flush=True)

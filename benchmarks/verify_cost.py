@@ -3,8 +3,9 @@ graph of plain decoding: the ratio the CPU goal states (a 4-row verify at most 1
 
 `profile()` times each graph compiled alone, as `specfx bench` does for its draft and verify
 columns. This compiles each drafter on pycoder, generates 64 tokens, then times every
-drafter's parts together in shuffled rounds (`matmul_choice.round_robin`, as the bench does),
-`--repeats` times over, and prints each verify's medians and its ratio to the first drafter's.
+drafter's parts together in shuffled rounds (`runtime.generate.profile_together`, as the bench
+does), `--repeats` times over, and prints each verify's medians and its ratio to the first
+drafter's.
 
     python benchmarks/verify_cost.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--rounds 60] [--repeats 3]
 """
@@ -16,7 +17,7 @@ import statistics
 
 import specfx
 from specfx import zoo
-from specfx.matmul_choice import round_robin
+from specfx.runtime.generate import profile_together
 
 
 def main() -> None:
@@ -30,16 +31,12 @@ def main() -> None:
     ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
     drafts = args.drafts.split(",")
     fast = {d: specfx.compile(model, draft=d, max_seq_len=256) for d in drafts}
-    calls = {}
-    for d, f in fast.items():
+    for f in fast.values():
         f.generate(ids, max_new_tokens=64)
-        rt = f.runtime
-        calls[d] = rt.verify_part, {(d, name): call for name, (call, _) in rt.profile_calls().items()}
     verify = {d: [] for d in drafts}
     for _ in range(args.repeats):
-        seconds = round_robin({key: call for _, parts in calls.values() for key, call in parts.items()}, args.rounds)
-        for d, (part, _) in calls.items():
-            verify[d].append(seconds[(d, part)] * 1e3)
+        for d, (_, verify_s) in zip(drafts, profile_together([f.runtime for f in fast.values()], args.rounds)):
+            verify[d].append(verify_s * 1e3)
     first = statistics.median(verify[drafts[0]])
     for d, ms in verify.items():
         m = statistics.median(ms)

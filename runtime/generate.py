@@ -332,6 +332,25 @@ class Runtime:
         return lambda: fn(*args)
 
 
+def profile_together(runtimes: list[Runtime], repeats: int = 20) -> list[tuple[float, float]]:
+    """Each runtime's (draft, verify) seconds a step, as `Runtime.profile` gives them, every
+    runtime's parts timed together in `repeats` shuffled rounds (`matmul_choice.round_robin`), so
+    that their ratios (a verify against plain decoding's decode graph) share the machine's drift:
+    timed one runtime after another, a 4-row verify against the decode graph moved between 1.1x
+    and 1.3x from run to run. A part a step calls n times is timed as n calls in a row, the first
+    finding its weights cold as in a step, the others in the cache."""
+    from specfx.matmul_choice import round_robin
+
+    calls, counts = {}, {}
+    for i, rt in enumerate(runtimes):
+        for name, (call, n) in rt.profile_calls().items():
+            calls[(i, name)] = lambda call=call, n=n, rt=rt: ([call() for _ in range(n)], _sync(rt.device))
+            counts[(i, name)] = n
+    seconds = round_robin(calls, repeats) if calls else {}
+    return [rt.profile_totals({name: t / counts[(j, name)] for (j, name), t in seconds.items() if j == i})
+            for i, rt in enumerate(runtimes)]
+
+
 def _median_time(fn, repeats: int, device) -> float:
     for _ in range(3):
         fn()

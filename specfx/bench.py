@@ -220,17 +220,13 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     ttfts = [[[] for _ in encoded] for _ in built]
     outputs = [[None] * len(encoded) for _ in built]
     hist = [[] for _ in built]
-    order, shuffle = list(range(len(built))), random.Random(0).shuffle
-    for _ in range(repeats):
-        for i, ids in enumerate(encoded):
-            shuffle(order)
-            for j in order:
-                toks, dt, ttft, stats = built[j].gen(ids)
-                times[j][i].append(dt)
-                ttfts[j][i].append(ttft)
-                outputs[j][i] = toks
-                if stats is not None:
-                    hist[j].append(stats)
+    for i, j in interleave(len(encoded), len(built), repeats):
+        toks, dt, ttft, stats = built[j].gen(encoded[i])
+        times[j][i].append(dt)
+        ttfts[j][i].append(ttft)
+        outputs[j][i] = toks
+        if stats is not None:
+            hist[j].append(stats)
     if reference is None and sampling is None:
         reference = outputs[next(j for j, m in enumerate(built) if m.name == "hf-greedy")]
     parts = _profile_together(built)
@@ -281,36 +277,29 @@ def _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens,
                    fast.capture_s + fast.compile_s, config)
 
 
-def _profile_together(built: list[_Method], repeats: int = 20) -> dict[int, tuple[float, float]]:
-    """method index -> (draft, verify) seconds a step, as `SpeculativeModel.profile()` gives them,
-    every specfx method's draft and verify graphs timed together in `repeats` shuffled rounds
-    (`matmul_choice.round_robin`), so their ratios (a verify against plain decoding's decode
-    graph) share the machine's drift: timed one method after another, a 4-row verify against
-    the decode graph moved between 1.1x and 1.3x from run to run. A part a step calls n times
-    is timed as n calls in a row, the first finding its weights cold as in a step, the others
-    in the cache."""
-    from specfx.matmul_choice import round_robin
+def _profile_together(built: list[_Method]) -> dict[int, tuple[float, float]]:
+    """method index -> (draft, verify) seconds a step of every specfx method, their parts timed
+    together (`runtime.generate.profile_together`), each model's state held meanwhile."""
+    from specfx.runtime.generate import profile_together
 
-    calls, counts, runtimes = {}, {}, {}
+    specfx_methods = {j: m.fast for j, m in enumerate(built) if m.fast is not None}
     with contextlib.ExitStack() as locks:
-        for j, m in enumerate(built):
-            if m.fast is None:
-                continue
-            locks.enter_context(m.fast.runtime.state.lock)
-            runtimes[j] = m.fast.runtime
-            for name, (call, n) in runtimes[j].profile_calls().items():
-                calls[(j, name)] = _synced(lambda call=call, n=n: [call() for _ in range(n)], runtimes[j].device)
-                counts[(j, name)] = n
-        seconds = round_robin(calls, repeats) if calls else {}
-    return {j: rt.profile_totals({name: t / counts[(i, name)] for (i, name), t in seconds.items() if i == j})
-            for j, rt in runtimes.items()}
+        for fast in specfx_methods.values():
+            locks.enter_context(fast.runtime.state.lock)
+        parts = profile_together([fast.runtime for fast in specfx_methods.values()])
+    return dict(zip(specfx_methods, parts))
 
 
-def _synced(call, device: torch.device):
-    """`call`, then a wait for the device (on CUDA), so that its time is the kernels'."""
-    if device.type != "cuda":
-        return call
-    return lambda: (call(), torch.cuda.synchronize(device))
+def interleave(prompts: int, methods: int, repeats: int, seed: int = 0):
+    """(prompt, method) indices in the order a side-by-side run calls them: `repeats` passes over
+    the prompts, each prompt running every method in a new seeded order, so that a drift in the
+    machine's speed reaches each method alike and none always follows the same other one."""
+    order, shuffle = list(range(methods)), random.Random(seed).shuffle
+    for _ in range(repeats):
+        for i in range(prompts):
+            shuffle(order)
+            for j in order:
+                yield i, j
 
 
 def _figures(m: _Method, times, ttfts, outputs, hist, reference, parts) -> MethodRun:

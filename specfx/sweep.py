@@ -25,7 +25,6 @@ times, and the predicted tokens per second, against the chain of k drafts; the c
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specfx.bench import cache_length
+from specfx.bench import cache_length, interleave
 
 KS = (2, 3, 4, 6)
 
@@ -108,18 +107,11 @@ def _run_side_by_side(model, drafters: list[tuple[str, int | None]], encoded, ma
         fast.append(specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=max_seq_len,
                                    backend=backend))
         fast[-1].generate(encoded[0], max_new_tokens=max_new_tokens)          # compile and warm up
-    seconds = [[] for _ in fast]
-    order, shuffle = list(range(len(fast))), random.Random(0).shuffle
-    for _ in range(rounds):
-        spent = [0.0] * len(fast)
-        for ids in encoded:
-            shuffle(order)
-            for i in order:
-                t = time.perf_counter()
-                fast[i].generate(ids, max_new_tokens=max_new_tokens)
-                spent[i] += time.perf_counter() - t
-        for i, sec in enumerate(spent):
-            seconds[i].append(sec)
+    seconds = [[0.0] * rounds for _ in fast]
+    for call, (p, i) in enumerate(interleave(len(encoded), len(fast), rounds)):
+        t = time.perf_counter()
+        fast[i].generate(encoded[p], max_new_tokens=max_new_tokens)
+        seconds[i][call // (len(encoded) * len(fast))] += time.perf_counter() - t
     base, *times = [statistics.median(s) for s in seconds]
     return [base / t for t in times]
 

@@ -41,7 +41,7 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys, monkeypatch):
         assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0
     ee = data["runs"][-1]
     assert len(ee["acceptance_by_position"]) == 3 and ee["draft_s"] > 0 and ee["verify_s"] > 0
-    assert timed == [[(2, "decode"), (3, "draft"), (3, "verify")]]
+    assert timed == [[(0, "decode"), (1, "draft"), (1, "verify")]]       # none, then early exit
     # each part timed as the calls a step makes of it in a row (k + 1 = 4 draft calls: 1 ms in all)
     assert data["runs"][2]["verify_s"] == 1e-3 and ee["draft_s"] == pytest.approx(1e-3)
     assert "vs hf-greedy" in capsys.readouterr().out
