@@ -64,7 +64,7 @@ template <int RM, int D, class Mask>
 static inline void attend_rows(const float* q, const float* k, const float* v, float* s, float* y, long L,
                                float scale, Mask mask) {
   const long whole = L / V * V;
-  for (long n = 0; n < whole; n += V) block(RM, q, k, s, D, (int)L, (int)n, n + 2 * V <= L);
+  for (long n = 0; n < whole; n += V) block(RM, q, k, s, D, (int)L, (int)n, n + 2 * V <= L, k + L * D);
   for (long n = whole; n < L; n++)                      // slots past the last whole block
     for (int i = 0; i < RM; i++) {
       float acc = 0;

@@ -229,7 +229,8 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 
 // y[i, j] = x[i, :] . w[j, :] for i < RM, j < RN; y's rows are N apart. `pf`, when set, is
 // the first of `pf_rows` (at most RN) rows, K apart, that this thread reads next, prefetched
-// alongside w. Tiles of one or two query rows read their weight rows one after another, each
+// alongside w; or, for a tile of four rows read side by side given `ahead_end`, the weights
+// AHEAD bytes past where the tile reads, up to `ahead_end` (see AHEAD). Tiles of one or two query rows read their weight rows one after another, each
 // front to back (a plain stream, which the hardware prefetches too); tiles of four read their
 // weight rows side by side, as one pass of V products per step (but see FOUR_BY_ROW_BELOW).
 // (pycoder's 85 weight matrices, two threads, in a C++ harness, on an Intel Xeon with AVX-512,
@@ -237,13 +238,24 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
 //
+// A block that four query rows pass over once (M = 3 or 4) is read as one stream: each tile of
+// four prefetches the weights AHEAD bytes past the ones it reads, into L1, up to the end of the
+// weight; the rows of a block and the blocks of a thread follow each other in memory. Prefetched
+// block by block instead (the next block's rows, as wider M spreads them over its passes), or
+// nearer, the 4-row pass ran slower than one row. (pycoder's 85 weight matrices at 4 rows, two
+// threads, a 2-core AMD EPYC with AVX-512, kernels round-robin in one process: 1.218-1.251 ms
+// -> 1.062-1.097 with 16 KB ahead, against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB
+// 1.151-1.184, into L2 1.115-1.156. At 8 rows, the first of two passes prefetched so, 1.312-
+// 1.357 ms against 1.262-1.287 block by block: wider M keeps the blocks' prefetch.)
+constexpr int AHEAD = 16384;
+
 // Each tile is a function of its own: the query rows are known only at run time in `block`, so
 // inlined there every tile's loops would share one function's registers, and the ones the
 // tiles of one and two rows take (see `row`) push the tile of four's row pointers to the stack
 // (an int8 head's 9 linears at 4 rows, in cache: 30% slower).
 template <int RM, int RN, typename TW, bool BY_ROW = (RM <= 2)>
 static __attribute__((noinline)) void tile(const float* __restrict x, const TW* __restrict w, float* __restrict y,
-                        int K, int N, const TW* pf, int pf_rows, int rows = RM) {
+                        int K, int N, const TW* pf, int pf_rows, int rows = RM, const TW* ahead_end = nullptr) {
   static_assert(RM * RN == V, "one accumulator per output lane");
   vf acc[V];
   if constexpr (BY_ROW) {
@@ -253,7 +265,15 @@ static __attribute__((noinline)) void tile(const float* __restrict x, const TW* 
 #pragma GCC unroll 16
     for (int a = 0; a < V; a++) acc[a] = vf{};
     int k = 0;
-    if (pf)
+    if (ahead_end)                                // the tile's rows are K apart: RN * k is how far it has read
+      for (; k + V <= K; k += V) {
+        const char* ahead = (const char*)(w + (std::size_t)RN * k) + AHEAD;
+#pragma GCC unroll 16
+        for (int q = 0; q < RN * (int)sizeof(TW) * V / 64; q++)       // the lines this step reads
+          if (ahead + 64 * q < (const char*)ahead_end) __builtin_prefetch(ahead + 64 * q, 0, 3);
+        step<RM, RN>(acc, x + k, K, w + k, K);
+      }
+    else if (pf)
       for (; k + V <= K; k += V) {
 #pragma GCC unroll 16
         for (int j = 0; j < RN; j++)
@@ -303,9 +323,11 @@ constexpr int FOUR_BY_ROW_BELOW = 512;
 // (one per tile of query rows), so that they stream in while the later passes compute from the
 // cache: pass p of P prefetches the next block's rows [V p / P, V (p + 1) / P), split among its
 // tiles. (Over pycoder's 85 weight matrices, two threads: 8 and 16 rows 8-14% faster than with
-// all of them issued in the first pass.)
+// all of them issued in the first pass.) A block that four rows pass over once prefetches ahead
+// of its tiles instead, up to `end`, where w's rows end (see AHEAD).
 template <typename TW>
-static inline void block(long M, const float* x, const TW* w, float* y, int K, int N, int n, bool prefetch) {
+static inline void block(long M, const float* x, const TW* w, float* y, int K, int N, int n, bool prefetch,
+                         const TW* end) {
   const TW* wn = w + (std::size_t)n * K;
   const TW* next = wn + (std::size_t)V * K;
   const long Mp = padded(M);
@@ -321,6 +343,11 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
   if (Mp == 4 && K < FOUR_BY_ROW_BELOW) {
     for (int t = 0, j = 0; j < V; t++, j += V / 4)
       tile<4, V / 4, TW, true>(x, wn + (std::size_t)j * K, y + n + j, K, N, pf(t, 4), pf_rows(t, 4), (int)M);
+    return;
+  }
+  if (Mp == 4) {                                  // one pass: read as one stream (see AHEAD)
+    for (int j = 0; j < V; j += V / 4)
+      tile<4, V / 4>(x, wn + (std::size_t)j * K, y + n + j, K, N, (const TW*)nullptr, 0, (int)M, end);
     return;
   }
   for (; m + 4 <= Mp; m += 4, pass++)
@@ -556,7 +583,7 @@ static void linear(long M, const float* x, const TW* w, float* y, int batches, l
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 2 * threads)
   for (long t = 0; t < tasks; t++) {
     const long b = t / blocks, n = (t % blocks) * V;
-    block(M, xp + b * Mp * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N);
+    block(M, xp + b * Mp * K, w + b * wb, y + b * M * N, K, (int)N, (int)n, n + 2 * V <= N, w + b * wb + N * K);
   }
   for (int b = 0; b < batches; b++)
     tail(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, blocks * V, N, N, K);
@@ -581,7 +608,7 @@ static void linears(long M, const float* x, const TW* const* w, const long* n, f
     int g = 0;
     while (t >= first[g + 1]) g++;
     const long r = (t - first[g]) * V;
-    block(M, xp, w[g], y + col[g], K, (int)N, (int)r, r + 2 * V <= n[g]);
+    block(M, xp, w[g], y + col[g], K, (int)N, (int)r, r + 2 * V <= n[g], w[g] + n[g] * K);
   }
   for (int g = 0; g < G; g++) tail(M, x, w[g], y + col[g], n[g] / V * V, n[g], N, K);
 }
