@@ -238,15 +238,16 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
 //
-// A block that four query rows pass over once (M = 3 or 4) is read as one stream: each tile of
-// four prefetches the weights AHEAD bytes past the ones it reads, into L1, up to the end of the
-// weight; the rows of a block and the blocks of a thread follow each other in memory. Prefetched
-// block by block instead (the next block's rows, as wider M spreads them over its passes), or
-// nearer, the 4-row pass ran slower than one row. (pycoder's 85 weight matrices at 4 rows, two
-// threads, a 2-core AMD EPYC with AVX-512, kernels round-robin in one process: 1.218-1.251 ms
-// -> 1.062-1.097 with 16 KB ahead, against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB
-// 1.151-1.184, into L2 1.115-1.156. At 8 rows, the first of two passes prefetched so, 1.312-
-// 1.357 ms against 1.262-1.287 block by block: wider M keeps the blocks' prefetch.)
+// Query rows in whole tiles of four (M = 3 or 4: a verify of k + 1 = 4 positions; 8, 12, 16: a
+// tree's) read the weights as one stream (see `block`): each tile of four prefetches the
+// weights AHEAD bytes past the ones it reads, into L1, up to the end of the weight; the rows of
+// a block and the blocks of a thread follow each other in memory. Prefetched block by block
+// instead (the next block's rows, spread over the passes of query rows), or nearer, 4 rows ran
+// slower than one. (pycoder's 85 weight matrices, two threads, a 2-core AMD EPYC with AVX-512,
+// kernels round-robin in one process: 4 rows 1.218-1.251 ms -> 1.062-1.097 with 16 KB ahead,
+// against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB 1.151-1.184, into L2 1.115-1.156.
+// 8 rows, passes of four block by block -> each weight group through both tiles in turn:
+// 1.522-1.633 ms -> 1.322-1.495; 16 rows 2.026-2.247 -> 1.888-2.072.)
 constexpr int AHEAD = 16384;
 
 // Each tile is a function of its own: the query rows are known only at run time in `block`, so
@@ -323,8 +324,11 @@ constexpr int FOUR_BY_ROW_BELOW = 512;
 // (one per tile of query rows), so that they stream in while the later passes compute from the
 // cache: pass p of P prefetches the next block's rows [V p / P, V (p + 1) / P), split among its
 // tiles. (Over pycoder's 85 weight matrices, two threads: 8 and 16 rows 8-14% faster than with
-// all of them issued in the first pass.) A block that four rows pass over once prefetches ahead
-// of its tiles instead, up to `end`, where w's rows end (see AHEAD).
+// all of them issued in the first pass.) Where the query rows are whole tiles of four, the
+// block is read as one stream instead: each group of four weight rows goes through every tile
+// of query rows in turn (the later ones find it in L1), every tile prefetching ahead up to
+// `end`, where w's rows end (see AHEAD). Up to 16 rows (a verify's); a prefill's chunk keeps
+// the passes, whose four query rows stay in L1 while a block goes through them.
 template <typename TW>
 static inline void block(long M, const float* x, const TW* w, float* y, int K, int N, int n, bool prefetch,
                          const TW* end) {
@@ -345,9 +349,11 @@ static inline void block(long M, const float* x, const TW* w, float* y, int K, i
       tile<4, V / 4, TW, true>(x, wn + (std::size_t)j * K, y + n + j, K, N, pf(t, 4), pf_rows(t, 4), (int)M);
     return;
   }
-  if (Mp == 4) {                                  // one pass: read as one stream (see AHEAD)
+  if (Mp % 4 == 0 && Mp <= 16) {                 // read as one stream (see AHEAD)
     for (int j = 0; j < V; j += V / 4)
-      tile<4, V / 4>(x, wn + (std::size_t)j * K, y + n + j, K, N, (const TW*)nullptr, 0, (int)M, end);
+      for (long m4 = 0; m4 < Mp; m4 += 4)
+        tile<4, V / 4>(x + (std::size_t)m4 * K, wn + (std::size_t)j * K, y + (std::size_t)m4 * N + n + j, K, N,
+                       (const TW*)nullptr, 0, (int)std::min<long>(4, M - m4), end);
     return;
   }
   for (; m + 4 <= Mp; m += 4, pass++)
