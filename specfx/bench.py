@@ -277,6 +277,12 @@ def _build(model, method, default_exit, model_k, k, max_seq_len, max_new_tokens,
                    fast.capture_s + fast.compile_s, config)
 
 
+# Rounds of the draft and verify columns' timing. At 20, the same 4-row verify graph of two
+# drafters printed 1.14x and 1.25x the decode graph in one run (build 7bc539b); a round of the
+# six specfx methods of pycoder's greedy table costs about 14 ms (their draft and verify columns).
+PROFILE_ROUNDS = 100
+
+
 def _profile_together(built: list[_Method]) -> dict[int, tuple[float, float]]:
     """method index -> (draft, verify) seconds a step of every specfx method, their parts timed
     together (`runtime.generate.profile_together`), each model's state held meanwhile."""
@@ -286,7 +292,7 @@ def _profile_together(built: list[_Method]) -> dict[int, tuple[float, float]]:
     with contextlib.ExitStack() as locks:
         for fast in specfx_methods.values():
             locks.enter_context(fast.runtime.state.lock)
-        parts = profile_together([fast.runtime for fast in specfx_methods.values()])
+        parts = profile_together([fast.runtime for fast in specfx_methods.values()], PROFILE_ROUNDS)
     return dict(zip(specfx_methods, parts))
 
 
