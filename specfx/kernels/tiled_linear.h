@@ -233,9 +233,10 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // y[i, j] = x[i, :] . w[j, :] for i < RM, j < RN; y's rows are N apart. `pf`, when set, is
 // the first of `pf_rows` (at most RN) rows, K apart, that this thread reads next, prefetched
 // alongside w; or, for a tile of four rows read side by side given `ahead_end`, the weights
-// AHEAD bytes past where the tile reads, up to `ahead_end` (see AHEAD). Tiles of one or two query rows read their weight rows one after another, each
-// front to back (a plain stream, which the hardware prefetches too); tiles of four read their
-// weight rows side by side, as one pass of V products per step (but see FOUR_BY_ROW_BELOW).
+// AHEAD bytes past where the tile reads, up to `ahead_end` (see AHEAD). Tiles of one or two
+// query rows read their weight rows one after another, each front to back (a plain stream,
+// which the hardware prefetches too); tiles of four read their weight rows side by side, as
+// one pass of V products per step (but see FOUR_BY_ROW_BELOW).
 // (pycoder's 85 weight matrices, two threads, in a C++ harness, on an Intel Xeon with AVX-512,
 // against side by side for every tile: row by row,
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
