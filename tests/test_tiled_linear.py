@@ -12,9 +12,10 @@ from specfx.runtime.compile import compile_graph
 
 # (M, N, K): every query-row remainder (tiles of 4, 2, 1), weight rows in whole blocks of 16 and
 # past them (and fewer than a block), K in whole vectors and not; a verify's 3 or 4 rows over
-# short weight rows (read one after another under AVX2) and long ones (side by side).
+# short weight rows (read one after another under AVX2) and long ones (side by side); 5 to 16
+# rows read as one stream, padded to whole tiles of four (5, 7 and 10 rows) or not (8, 16).
 SHAPES = [(1, 64, 64), (2, 37, 40), (3, 8, 16), (4, 96, 33), (5, 100, 333), (7, 48, 320), (16, 160, 80), (17, 20, 24),
-          (4, 40, 524), (3, 21, 864)]
+          (4, 40, 524), (3, 21, 864), (8, 64, 48), (10, 50, 96)]
 
 
 def _graph(n: int) -> fx.GraphModule:
