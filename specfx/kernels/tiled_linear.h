@@ -242,12 +242,12 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // 1 row ran 13-22% faster and 2 rows 6-14% faster, while tiles of four read row by row made
 // 4 rows 0-5% and 8 rows 20-40% slower.)
 //
-// Query rows in whole tiles of four (M = 3 or 4: a verify of k + 1 = 4 positions; 8, 12, 16: a
-// tree's) read the weights as one stream (see `block`): each tile of four prefetches the
-// weights AHEAD bytes past the ones it reads, into L1, up to the end of the weight; the rows of
-// a block and the blocks of a thread follow each other in memory. Prefetched block by block
-// instead (the next block's rows, spread over the passes of query rows), or nearer, 4 rows ran
-// slower than one. (pycoder's 85 weight matrices, two threads, a 2-core AMD EPYC with AVX-512,
+// Query rows in whole tiles of four, padded where needed (M = 3 to 16, see `padded`: a verify
+// of k + 1 positions, a tree's N + 1) read the weights as one stream (see `block`): each tile
+// of four prefetches the weights AHEAD bytes past the ones it reads, into L1, up to the end of
+// the weight; the rows of a block and the blocks of a thread follow each other in memory.
+// Prefetched block by block instead (the next block's rows, spread over the passes of query
+// rows), or nearer, 4 rows ran slower than one. (pycoder's 85 weight matrices, two threads, a 2-core AMD EPYC with AVX-512,
 // kernels round-robin in one process: 4 rows 1.218-1.251 ms -> 1.062-1.097 with 16 KB ahead,
 // against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB 1.151-1.184, into L2 1.115-1.156.
 // 8 rows, passes of four block by block -> each weight group through both tiles in turn:
