@@ -248,10 +248,11 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // the weight; the rows of a block and the blocks of a thread follow each other in memory.
 // Prefetched block by block instead (the next block's rows, spread over the passes of query
 // rows), or nearer, 4 rows ran slower than one. (pycoder's 85 weight matrices, two threads, a
-// 2-core AMD EPYC with AVX-512, kernels round-robin in one process: 4 rows 1.218-1.251 ms -> 1.062-1.097 with 16 KB ahead,
-// against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB 1.151-1.184, into L2 1.115-1.156.
-// 8 rows, passes of four block by block -> each weight group through both tiles in turn:
-// 1.522-1.633 ms -> 1.322-1.495; 16 rows 2.026-2.247 -> 1.888-2.072.)
+// 2-core AMD EPYC with AVX-512, kernels round-robin in one process: 4 rows 1.218-1.251 ms ->
+// 1.062-1.097 with 16 KB ahead, against 1.025-1.047 for one row; 8 KB 1.117-1.173, 24 KB
+// 1.151-1.184, into L2 1.115-1.156. 8 rows, passes of four block by block -> each weight group
+// through both tiles in turn: 1.522-1.633 ms -> 1.322-1.495; 16 rows 2.026-2.247 ->
+// 1.888-2.072.)
 constexpr int AHEAD = 16384;
 
 // Each tile is a function of its own: the query rows are known only at run time in `block`, so
