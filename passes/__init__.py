@@ -14,6 +14,7 @@ from specfx.passes.infra import (REGISTRY, Pass, PassError, PassManager, PassOrd
                                  structure_of)
 from specfx.passes.inline_graph_calls import InlineGraphCalls
 from specfx.passes.share_kv_buffers import ShareKVBuffers
+from specfx.passes.share_rotary import ShareRotary
 from specfx.passes.skinny_matmul import Choice, SkinnyMatmul
 from specfx.passes.store_draft_weights import StoreDraftWeights
 from specfx.passes.tree_attention import TreeAttention
@@ -22,7 +23,7 @@ from specfx.passes.truncate_at_exit import TruncateAtExit
 __all__ = [
     "AttachEarlyExit", "CheckNoHostSync", "Choice", "CutAtExit", "DropHead", "ExposeHidden", "FindStructure",
     "InlineGraphCalls", "Pass", "PassError", "PassManager", "PassOrderError", "PassRecord", "PassResult", "REGISTRY",
-    "ShareKVBuffers", "SkinnyMatmul", "StoreDraftWeights", "StructureError", "StructureMap", "TreeAttention", "TruncateAtExit",
+    "ShareKVBuffers", "ShareRotary", "SkinnyMatmul", "StoreDraftWeights", "StructureError", "StructureMap", "TreeAttention", "TruncateAtExit",
     "check_exit_layer",
     "find_host_syncs", "find_structure", "structure_of",
 ]

@@ -20,7 +20,7 @@ from specfx.capture import (StaticDecoder, architecture, capture, example_span, 
 from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
                              default_exit_layer)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
-                           InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, SkinnyMatmul,
+                           InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, ShareRotary, SkinnyMatmul,
                            StoreDraftWeights, StructureError, StructureMap, TreeAttention, TruncateAtExit,
                            check_exit_layer)
 from specfx.passes.store_draft_weights import stored_weights
@@ -195,8 +195,9 @@ def _verify_call(ctx: BuildContext, kernel: str) -> Callable[[], object]:
 
 
 def tail_passes(matmul, buffers: list[str] | None = None) -> list[Pass]:
-    """KV buffers as inputs, then (with a measured plan) the skinny-matmul rewrite."""
-    return [ShareKVBuffers(buffers), *skinny_passes(matmul)]
+    """KV buffers as inputs, the rotary table computed once, then (with a measured plan) the
+    skinny-matmul rewrite."""
+    return [ShareKVBuffers(buffers), ShareRotary(), *skinny_passes(matmul)]
 
 
 def skinny_passes(matmul) -> list[Pass]:
