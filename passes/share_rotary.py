@@ -57,7 +57,7 @@ class ShareRotary(Pass):
                 user.replace_input_with(end, table)
             shared.append(f"{end.name} ({len(users)} readers)")
         if not shared:
-            why = ("rotary tables left inline: " + ", ".join(f"{n} of {why}" for why, n in Counter(skipped).items())
+            why = ("rotary tables left inline: " + ", ".join(f"{n} of {r}" for r, n in Counter(skipped).items())
                    if skipped else "no cos or sin that several ops read")
             return PassResult(gm, False, why, {"shared": 0})
         return PassResult(finish(gm), True, "computed once: " + ", ".join(shared), {"shared": len(shared)})
