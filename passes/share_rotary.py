@@ -20,6 +20,7 @@ from collections import Counter
 
 import torch
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 
 from specfx.passes.graph_utils import finish, insert_call
 from specfx.passes.infra import Pass, PassResult
@@ -52,7 +53,7 @@ class ShareRotary(Pass):
                 continue
             users = list(end.users)
             with gm.graph.inserting_after(end):
-                table = insert_call(gm, MATERIALIZE, (end, _contiguous(val.shape)))
+                table = insert_call(gm, MATERIALIZE, (end, make_contiguous_strides_for(val.shape)))
             for user in users:
                 user.replace_input_with(end, table)
             shared.append(f"{end.name} ({len(users)} readers)")
@@ -80,11 +81,3 @@ def _shared_value(node: fx.Node) -> fx.Node | None:
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def _contiguous(shape) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
