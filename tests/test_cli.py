@@ -167,12 +167,17 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     rows = data["rows"]
     assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2], [1, 1, 1]] and [r["nodes"] for r in rows] == [2, 3, 5, 3]
     assert all(r["step_ms"] > 0 and r["tokens_per_call"] >= 1 for r in rows) and data["best"] in rows
+    assert rows[0]["verify_bound_vs_chain"] == 1.0
+    for r in rows[1:]:          # tokens per verify ms against the chain's
+        bound = r["tokens_per_call"] / r["verify_ms"] / (rows[0]["tokens_per_call"] / rows[0]["verify_ms"])
+        assert r["verify_bound_vs_chain"] == pytest.approx(bound, rel=0.01)
     top = sorted(rows[1:], key=lambda r: -r["predicted_speedup"])[:2]
     assert len(ran) == 1 and len(ran[0]) == 3 and ran[0][0].endswith("tree=1x1")      # the chain, then the top two
     assert [r.get("measured_vs_chain") for r in [rows[0], *top]] == [1.0, 1.1, 1.2]
     assert data["best"] == top[1] and all("measured_speedup" not in r for r in rows[1:] if r not in top)
     printed = capsys.readouterr().out
     assert "tree sweep" in printed and "chain of 2" in printed and "chain of 3" in printed   # a deeper chain by its own length
+    assert "bound vs chain" in printed
     saved = json.loads((path / "config.json").read_text()).get("specfx_mtp_tree")
     assert saved == data["best"]["tree"]
     # The saved tree (or a chosen one, where the chain won) is what MTPHead() drafts.
