@@ -460,17 +460,29 @@ static inline int32_t dot_i8(const int8_t* w, const int8_t* q, const int8_t* a, 
 // time through `dot_i8`. (The int8 MTP head of pycoder, its 6 kernels 20 times over in one
 // graph, in cache, two threads, a 2-core AMD EPYC with AVX-512, against `dot_i8` for every row:
 // one query row 34.1-35.3 -> 27.6-29.7 us a pass, four rows 100.4-102.2 -> 66.3-69.1, the
-// outputs equal to the bit.)
+// outputs equal to the bit. Then the accumulators in registers and, with AVX512-VNNI, over more
+// than two rows q + 128 against the weight as it lies in memory (`dot_u8_tile`): the head's fc,
+// q/k/v, o, gate/up and down as 5 kernels in one graph, in cache, the two headers' graphs
+// round-robin in one process: 1 row 20.5-20.6 -> 19.5-19.7 us, 2 rows 27.4-27.7 -> 25.9-26.1,
+// 4 rows 41.5-42.4 -> 36.0-36.1, 6 rows (a tree's refill) 56.0-57.9 -> 45.3-45.5.)
 #if defined(__AVX512BW__)
 // The integer sums w_j . q over K for V columns j at once (w_j: V pointers to int8 rows, q one
 // quantized query row, a = |q|), each column's in accumulator bitrev(j), then reduced across
 // lanes together (`reduce`): lane j of the result holds column j's sum. A step of 64 products a
 // column is one masked negation (w where q >= 0, -w where q < 0: the sign mask is q's, shared by
 // the V columns) and the products of |q| (unsigned) with it: `vpmaddubsw` (pairs into 16 bits,
-// which cannot overflow at magnitudes of at most 127), `vpmaddwd` (into 32-bit lanes) and an add.
-// The sums are exact integers, so they equal `dot_i8`'s to the bit.
+// which cannot overflow at magnitudes of at most 127), `vpmaddwd` (into 32-bit lanes) and an add;
+// with AVX512-VNNI one `vpdpbusd` (four products into each 32-bit lane, added to it, never
+// saturating). The sums are exact integers, so they equal `dot_i8`'s to the bit. Column j sums
+// into accumulator j (a constant index once the loop is unrolled, so the accumulators stay in
+// registers; indexed by bitrev(j) there, GCC kept some of them on the stack) and goes to
+// position bitrev(j) for the reduction.
 static inline __m512i madd_i8(__m512i acc, __m512i a, __m512i signed_w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, a, signed_w);
+#else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, signed_w), _mm512_set1_epi16(1)));
+#endif
 }
 
 static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int8_t* a, int K) {
@@ -484,8 +496,8 @@ static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int
     const __mmask64 neg = _mm512_movepi8_mask(_mm512_loadu_si512(q + k));
 #pragma GCC unroll 16
     for (int j = 0; j < V; j++)
-      acc[bitrev(j)] = madd_i8(acc[bitrev(j)], av, _mm512_mask_sub_epi8(_mm512_loadu_si512(wj[j] + k), neg, zero,
-                                                                        _mm512_loadu_si512(wj[j] + k)));
+      acc[j] = madd_i8(acc[j], av, _mm512_mask_sub_epi8(_mm512_loadu_si512(wj[j] + k), neg, zero,
+                                                        _mm512_loadu_si512(wj[j] + k)));
   }
   if (k < K) {                                      // the last bytes, the rest of the vector zero
     const __mmask64 live = ~0ULL >> (64 - (K - k));
@@ -494,12 +506,42 @@ static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int
 #pragma GCC unroll 16
     for (int j = 0; j < V; j++) {
       const __m512i wv = _mm512_maskz_loadu_epi8(live, wj[j] + k);
-      acc[bitrev(j)] = madd_i8(acc[bitrev(j)], av, _mm512_mask_sub_epi8(wv, neg, zero, wv));
+      acc[j] = madd_i8(acc[j], av, _mm512_mask_sub_epi8(wv, neg, zero, wv));
     }
   }
   vi sums[V];
 #pragma GCC unroll 16
-  for (int j = 0; j < V; j++) sums[j] = (vi)acc[j];
+  for (int j = 0; j < V; j++) sums[bitrev(j)] = (vi)acc[j];
+  return reduce<V / 2, 0, 1>(sums);
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// The sums of b[k] w_j[k] over K for V columns j at once, b unsigned (64 bytes a step from
+// `b(k, live)`, the live bytes of the step), one `vpdpbusd` a column and step, reading w_j
+// straight from memory: no sign to apply, so no copy of the weight. Over several query rows
+// (see `linears`) b is q + 128 and the sum less 128 times the column's sum (b = 128 once per
+// tile) is the sum over q, exactly: |sum| <= 255 * 127 * K fits 32 bits.
+template <typename B>
+static inline vi dot_u8_tile(const int8_t* const* wj, int K, B b) {
+  __m512i acc[V];
+#pragma GCC unroll 16
+  for (int j = 0; j < V; j++) acc[j] = _mm512_setzero_si512();
+  int k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i bv = b(k, ~0ULL);
+#pragma GCC unroll 16
+    for (int j = 0; j < V; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_loadu_si512(wj[j] + k));
+  }
+  if (k < K) {                                      // the last bytes: the weight's past K read as zeros
+    const __mmask64 live = ~0ULL >> (64 - (K - k));
+    const __m512i bv = b(k, live);
+#pragma GCC unroll 16
+    for (int j = 0; j < V; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_maskz_loadu_epi8(live, wj[j] + k));
+  }
+  vi sums[V];
+#pragma GCC unroll 16
+  for (int j = 0; j < V; j++) sums[bitrev(j)] = (vi)acc[j];
   return reduce<V / 2, 0, 1>(sums);
 }
 #endif
@@ -527,6 +569,20 @@ static void linears(long M, const float* x, const int8_t* const* w, const long* 
   for (long t = 0; t < tiles; t++) {
     const int8_t* wj[V];
     for (int j = 0; j < V; j++) wj[j] = column(t * V + j);
+#if defined(__AVX512VNNI__)
+    if (M > 2) {                                    // q + 128 against w, less 128 times w's sums
+      const __m512i flip = _mm512_set1_epi8((char)0x80);
+      const vi shift = dot_u8_tile(wj, K, [&](int, __mmask64 live) { return _mm512_maskz_mov_epi8(live, flip); });
+      for (long m = 0; m < M; m++) {
+        const int8_t* qm = q + (std::size_t)m * K;
+        const vi sums = dot_u8_tile(wj, K, [&](int k, __mmask64 live) {
+          return _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, qm + k), flip); }) - shift;
+        float* ym = y + (std::size_t)m * N + t * V;
+        for (int j = 0; j < V; j++) ym[j] = (float)sums[j] * s[m];
+      }
+      continue;
+    }
+#endif
     for (long m = 0; m < M; m++) {
       const vi sums = dot_i8_tile(wj, q + (std::size_t)m * K, a + (std::size_t)m * K, K);
       float* ym = y + (std::size_t)m * N + t * V;
