@@ -467,7 +467,7 @@ static inline int32_t dot_i8(const int8_t* w, const int8_t* q, const int8_t* a, 
 // 4 rows 41.5-42.4 -> 36.0-36.1, 6 rows (a tree's refill) 56.0-57.9 -> 45.3-45.5.)
 #if defined(__AVX512BW__)
 // The integer sums w_j . q over K for V columns j at once (w_j: V pointers to int8 rows, q one
-// quantized query row, a = |q|), each column's in accumulator bitrev(j), then reduced across
+// quantized query row, a = |q|), each column's in an accumulator of its own, then reduced across
 // lanes together (`reduce`): lane j of the result holds column j's sum. A step of 64 products a
 // column is one masked negation (w where q >= 0, -w where q < 0: the sign mask is q's, shared by
 // the V columns) and the products of |q| (unsigned) with it: `vpmaddubsw` (pairs into 16 bits,
