@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specfx.bench import cache_length, interleave
+from specfx.bench import PROFILE_ROUNDS, cache_length, interleave
 
 KS = (2, 3, 4, 6)
 
@@ -136,7 +136,8 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
                max_new_tokens: int = 64, num_prompts: int = 8, backend: str = "inductor", check: int = 3,
                rounds: int = 5, log=print) -> SweepResult:
     """Each tree shape (and the chain of k) of `draft`: tokens per target call, draft and verify
-    ms, and predicted tokens per second relative to plain decoding and to the chain; then the
+    ms (every shape's graphs and the decode graph timed together in shuffled rounds), and
+    predicted tokens per second relative to plain decoding and to the chain; then the
     chain and the `check` trees predicted fastest run for real, `rounds` rounds each against
     plain decoding (`measured_speedup`), and the fastest of them is the best (0: trust the
     prediction). The parts timed alone miss what the fused step adds (a drafter's weights
@@ -148,9 +149,8 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, draft=draft, k=k,
                                        trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len,
                                        checked=check, rounds=rounds))
-    result.decode_ms = _profiled(model, "none", 1, encoded[0], max_seq_len, backend).profile()[1] * 1e3
-    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
-    specs = []
+    plain = _profiled(model, "none", 1, encoded[0], max_seq_len, backend)
+    specs, shapes = [], []
     for tree in ((1,) * k, *trees):           # the chain first, spelled as a tree (a saved default tree aside)
         spec = tree_spec(draft, tree)
         fast = specfx.compile(model, draft=spec, max_seq_len=max_seq_len, backend="eager")
@@ -159,10 +159,18 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
             fast.generate(ids, max_new_tokens=max_new_tokens)
             calls += fast.last_stats.target_calls
             accepted += fast.last_stats.mean_accepted * fast.last_stats.target_calls
-        tokens = accepted / max(calls, 1)
-        draft_s, verify_s = _profiled(model, spec, None, encoded[0], max_seq_len, backend).profile()
+        shapes.append((tree, fast.graphs.tree.size, accepted / max(calls, 1),
+                       _profiled(model, spec, None, encoded[0], max_seq_len, backend)))
+        specs.append(spec)
+    # Every shape's parts and the decode graph timed together, so that the machine's drift
+    # reaches each alike (timed one shape after another, the same 8-row verify graph of four
+    # shapes printed 1.74 to 1.94 ms in one sweep).
+    (_, decode_s), *parts = _profile_together([plain, *(profiled for *_, profiled in shapes)])
+    result.decode_ms = decode_s * 1e3
+    log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
+    for spec, (tree, nodes, tokens, _), (draft_s, verify_s) in zip(specs, shapes, parts, strict=True):
         step_ms = (draft_s + verify_s) * 1e3
-        row = dict(tree=None if tuple(tree) == (1,) * k else list(tree), nodes=fast.graphs.tree.size,
+        row = dict(tree=None if tuple(tree) == (1,) * k else list(tree), nodes=nodes,
                    tokens_per_call=round(tokens, 3),
                    draft_ms=round(draft_s * 1e3, 3), verify_ms=round(verify_s * 1e3, 3), step_ms=round(step_ms, 3),
                    predicted_tokens_per_s=round(tokens / step_ms * 1e3, 1),
@@ -173,7 +181,6 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
         # pass alone against the chain's, as if drafting (head passes, refill) cost nothing.
         row["verify_bound_vs_chain"] = round(tokens / verify_s / (chain["tokens_per_call"] / chain["verify_ms"] * 1e3), 3)
         result.rows.append(row)
-        specs.append(spec)
         log(f"[sweep] {spec}: {tokens:.2f} tokens/call, step {step_ms:.2f} ms, predicted "
             f"{row['predicted_tokens_per_s']:.0f} tok/s, {row['vs_chain']:.2f}x the chain")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
@@ -230,6 +237,19 @@ def save_tree_default(checkpoint: str | Path, best: dict) -> None:
     if best["tree"]:
         cfg["specfx_mtp_tree"] = best["tree"]
     path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _profile_together(models: list) -> list[tuple[float, float]]:
+    """(draft, verify) seconds a step of each model (`_profiled`'s), their parts timed together
+    in shuffled rounds as the bench times its methods' (`bench.PROFILE_ROUNDS`)."""
+    import contextlib
+
+    from specfx.runtime.generate import profile_together
+
+    with contextlib.ExitStack() as locks:
+        for fast in models:
+            locks.enter_context(fast.runtime.state.lock)
+        return profile_together([fast.runtime for fast in models], PROFILE_ROUNDS)
 
 
 def _profiled(model, draft, k, prompt, max_seq_len, backend):

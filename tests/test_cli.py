@@ -154,6 +154,8 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
         return [1.0 + 0.1 * i for i in range(len(drafters))]
 
     monkeypatch.setattr(sweep, "_run_side_by_side", side_by_side)
+    together, profile_together = [], sweep._profile_together
+    monkeypatch.setattr(sweep, "_profile_together", lambda models: together.append(len(models)) or profile_together(models))
 
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # --save-default edits config.json
     model, _, _ = load_model(str(path))
@@ -167,6 +169,7 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     rows = data["rows"]
     assert [r["tree"] for r in rows] == [None, [2, 1], [3, 2], [1, 1, 1]] and [r["nodes"] for r in rows] == [2, 3, 5, 3]
     assert all(r["step_ms"] > 0 and r["tokens_per_call"] >= 1 for r in rows) and data["best"] in rows
+    assert together == [5], "plain decoding, the chain and the 3 shapes were not timed together"
     assert rows[0]["verify_bound_vs_chain"] == 1.0
     for r in rows[1:]:          # tokens per verify ms against the chain's
         bound = r["tokens_per_call"] / r["verify_ms"] / (rows[0]["tokens_per_call"] / rows[0]["verify_ms"])
