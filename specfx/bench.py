@@ -284,16 +284,21 @@ PROFILE_ROUNDS = 100
 
 
 def _profile_together(built: list[_Method]) -> dict[int, tuple[float, float]]:
-    """method index -> (draft, verify) seconds a step of every specfx method, their parts timed
-    together (`runtime.generate.profile_together`), each model's state held meanwhile."""
+    """method index -> (draft, verify) seconds a step of every specfx method (`profile_models`)."""
+    specfx_methods = {j: m.fast for j, m in enumerate(built) if m.fast is not None}
+    return dict(zip(specfx_methods, profile_models(list(specfx_methods.values()))))
+
+
+def profile_models(models: list) -> list[tuple[float, float]]:
+    """(draft, verify) seconds a step of each `SpeculativeModel`, their parts timed together in
+    `PROFILE_ROUNDS` shuffled rounds (`runtime.generate.profile_together`), each model's state
+    held meanwhile."""
     from specfx.runtime.generate import profile_together
 
-    specfx_methods = {j: m.fast for j, m in enumerate(built) if m.fast is not None}
     with contextlib.ExitStack() as locks:
-        for fast in specfx_methods.values():
+        for fast in models:
             locks.enter_context(fast.runtime.state.lock)
-        parts = profile_together([fast.runtime for fast in specfx_methods.values()], PROFILE_ROUNDS)
-    return dict(zip(specfx_methods, parts))
+        return profile_together([fast.runtime for fast in models], PROFILE_ROUNDS)
 
 
 def interleave(prompts: int, methods: int, repeats: int, seed: int = 0):

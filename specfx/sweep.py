@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specfx.bench import PROFILE_ROUNDS, cache_length, interleave
+from specfx.bench import cache_length, interleave, profile_models
 
 KS = (2, 3, 4, 6)
 
@@ -165,7 +165,7 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
     # Every shape's parts and the decode graph timed together, so that the machine's drift
     # reaches each alike (timed one shape after another, the same 8-row verify graph of four
     # shapes printed 1.74 to 1.94 ms in one sweep).
-    (_, decode_s), *parts = _profile_together([plain, *(profiled for *_, profiled in shapes)])
+    (_, decode_s), *parts = profile_models([plain, *(profiled for *_, profiled in shapes)])
     result.decode_ms = decode_s * 1e3
     log(f"[sweep] plain decode step: {result.decode_ms:.2f} ms")
     for spec, (tree, nodes, tokens, _), (draft_s, verify_s) in zip(specs, shapes, parts, strict=True):
@@ -237,19 +237,6 @@ def save_tree_default(checkpoint: str | Path, best: dict) -> None:
     if best["tree"]:
         cfg["specfx_mtp_tree"] = best["tree"]
     path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def _profile_together(models: list) -> list[tuple[float, float]]:
-    """(draft, verify) seconds a step of each model (`_profiled`'s), their parts timed together
-    in shuffled rounds as the bench times its methods' (`bench.PROFILE_ROUNDS`)."""
-    import contextlib
-
-    from specfx.runtime.generate import profile_together
-
-    with contextlib.ExitStack() as locks:
-        for fast in models:
-            locks.enter_context(fast.runtime.state.lock)
-        return profile_together([fast.runtime for fast in models], PROFILE_ROUNDS)
 
 
 def _profiled(model, draft, k, prompt, max_seq_len, backend):

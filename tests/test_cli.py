@@ -154,8 +154,8 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
         return [1.0 + 0.1 * i for i in range(len(drafters))]
 
     monkeypatch.setattr(sweep, "_run_side_by_side", side_by_side)
-    together, profile_together = [], sweep._profile_together
-    monkeypatch.setattr(sweep, "_profile_together", lambda models: together.append(len(models)) or profile_together(models))
+    together, profile_models = [], sweep.profile_models
+    monkeypatch.setattr(sweep, "profile_models", lambda models: together.append(len(models)) or profile_models(models))
 
     path = shutil.copytree(checkpoint, tmp_path / "copy")   # --save-default edits config.json
     model, _, _ = load_model(str(path))
