@@ -46,14 +46,9 @@ def chain(groups: list[list[torch.Tensor]]) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    model, _ = zoo.load("pycoder")
+def weight_groups(model) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """A Llama's weight matrices one a kernel, and grouped by input (q, k, v; o; gate, up; down;
+    lm_head), in a step's order."""
     one, grouped = [], []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -63,6 +58,18 @@ def main() -> None:
                     [lin.weight.detach() for lin in gate_up], [m.down_proj.weight.detach()]]
     one.append([model.lm_head.weight.detach()])
     grouped.append([model.lm_head.weight.detach()])
+    return one, grouped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model, _ = zoo.load("pycoder")
+    one, grouped = weight_groups(model)
     calls = {}
     with torch.no_grad():
         for M in (int(r) for r in args.rows.split(",")):

@@ -226,8 +226,12 @@ FORMS = {
 
 def _kernel_flags() -> str:
     """The Inductor settings and kernel versions a measurement was made with (a change re-measures)."""
+    from torch._inductor import config
+
     return ",".join([f"{k}={v}" for k, v in sorted(CPU_INDUCTOR.items())]
-                    + [f"tiled={tiled_linear.VERSION}", f"chain={CHAIN_VERSION}"])
+                    + [f"tiled={tiled_linear.VERSION}", f"ahead={tiled_linear.AHEAD_LOCALITY}",
+                       f"chain={CHAIN_VERSION}"]
+                    + (["kernel_profile"] if config.cpp.enable_kernel_profile else []))
 
 
 def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) -> list[str]:

@@ -92,3 +92,51 @@ def test_python_wrapper_compiles_it_too():
     torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, (x @ w.T) * 2,
                                rtol=1e-4, atol=1e-4)
 
+
+
+def test_the_weight_stream_prefetches_into_l1_only_where_the_l1_is_large(monkeypatch):
+    monkeypatch.delenv(tiled_linear.PREFETCH_ENV, raising=False)
+    for size, level in ((48 * 1024, 3), (64 * 1024, 3), (32 * 1024, 2), (None, 2)):
+        monkeypatch.setattr(tiled_linear, "l1_data_cache", lambda size=size: size)
+        assert tiled_linear.ahead_locality() == level, size
+    monkeypatch.setenv(tiled_linear.PREFETCH_ENV, "l1")
+    assert tiled_linear.ahead_locality() == 3
+    monkeypatch.setenv(tiled_linear.PREFETCH_ENV, "L2")
+    assert tiled_linear.ahead_locality() == 2
+    monkeypatch.setenv(tiled_linear.PREFETCH_ENV, "l3")
+    with pytest.raises(ValueError, match="l1 or l2"):
+        tiled_linear.ahead_locality()
+
+
+def test_kernel_timings_and_graphs_are_kept_per_prefetch_level(monkeypatch):
+    from torch._inductor import config
+
+    from specfx.matmul_choice import _kernel_flags
+
+    assert tiled_linear._version(2) != tiled_linear._version(3)     # Inductor's cache: another graph
+    flags = {}
+    for locality in (3, 2):
+        monkeypatch.setattr(tiled_linear, "AHEAD_LOCALITY", locality)
+        flags[locality] = _kernel_flags()
+    assert "ahead=3" in flags[3] and "ahead=2" in flags[2]
+    with config.patch({"cpp.enable_kernel_profile": True}):
+        assert _kernel_flags() != flags[2]           # each kernel's event slows it: not a machine's timing
+
+
+@pytest.mark.slow
+def test_either_prefetch_level_compiles_into_the_graph_and_computes_the_same(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    shapes = [(4, 96, 320), (8, 64, 864)]             # tiles of four reading the weights as one stream
+    gen = torch.Generator().manual_seed(0)
+    args = [t for M, N, K in shapes for t in (torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen))]
+    outs = {}
+    for locality in (3, 2):
+        monkeypatch.setattr(tiled_linear, "AHEAD_LOCALITY", locality)
+        fn = compile_graph(_graph(len(shapes)), "inductor")
+        with config.patch({"fx_graph_cache": False}):            # compiled at the first call
+            outs[locality], codes = run_and_get_code(lambda fn=fn: fn(*args))
+        assert f"#define SPECFX_AHEAD_LOCALITY {locality}" in max(codes, key=len)
+    for a, b in zip(outs[3], outs[2]):
+        assert torch.equal(a, b)

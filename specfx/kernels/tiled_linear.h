@@ -255,6 +255,18 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 // 1.888-2.072.)
 constexpr int AHEAD = 16384;
 
+// Which cache those prefetches fill: 3 (L1, `prefetcht0`) or 2 (L2, `prefetcht1`). The graph's
+// source defines it from the machine (`tiled_linear.ahead_locality`): where the L1 holds 48 KB
+// a core, L1; where it holds less, L2. (pycoder's 85 matrices as 49 kernels, two threads, both
+// levels compiled in one process and timed round-robin, `benchmarks/prefetch.py`: on a 2-core
+// AMD EPYC with AVX-512 and a 32 KB L1, 4 rows 3.16-3.69 ms into L1 against 2.71-2.96 into L2,
+// 8 rows 3.76-4.54 against 2.75-2.98, one row 2.49-2.77 either way, and the 2x2x1x1x1 tree's
+// fused MTP step 5.41-6.68 against 4.47-4.94; on the one with a 48 KB L1 above, 4 rows
+// 1.062-1.097 ms into L1 against 1.115-1.156 into L2.)
+#ifndef SPECFX_AHEAD_LOCALITY
+#define SPECFX_AHEAD_LOCALITY 3
+#endif
+
 // Each tile is a function of its own: the query rows are known only at run time in `block`, so
 // inlined there every tile's loops would share one function's registers, and the ones the
 // tiles of one and two rows take (see `row`) push the tile of four's row pointers to the stack
@@ -276,7 +288,7 @@ static __attribute__((noinline)) void tile(const float* __restrict x, const TW* 
         const char* ahead = (const char*)(w + (std::size_t)RN * k) + AHEAD;
 #pragma GCC unroll 16
         for (int q = 0; q < RN * (int)sizeof(TW) * V / 64; q++)       // the lines this step reads
-          if (ahead + 64 * q < (const char*)ahead_end) __builtin_prefetch(ahead + 64 * q, 0, 3);
+          if (ahead + 64 * q < (const char*)ahead_end) __builtin_prefetch(ahead + 64 * q, 0, SPECFX_AHEAD_LOCALITY);
         step<RM, RN>(acc, x + k, K, w + k, K);
       }
     else if (pf)

@@ -27,8 +27,9 @@
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
 
-Their last argument is `VERSION`, a hash of the headers and of this module (the lowerings), so
-that a changed kernel or lowering is a changed graph for Inductor's cache. float32 on the CPU only
+Their last argument is `VERSION`, a hash of the headers, of this module (the lowerings) and of the
+cache the weight stream prefetches into (`ahead_locality`), so that a changed kernel or lowering is
+a changed graph for Inductor's cache. float32 on the CPU only
 (`tiled_linear` also takes a bfloat16 or int8 weight: a draft's weights, stored at half or a
 quarter of the bytes; against int8 it quantizes x's rows too, `quantized_reference`).
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 from functools import cache
 from pathlib import Path
 
@@ -45,7 +47,50 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("tiled_linear.h").read_text()
 ATTEND_SOURCE = Path(__file__).with_name("tiled_attend.h").read_text()
-VERSION = int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text()).encode()).hexdigest()[:7], 16)
+PREFETCH_ENV = "SPECFX_PREFETCH"   # "l1" or "l2": where the kernels' weight stream prefetches
+L1_PREFETCH_FROM = 48 * 1024       # an L1 data cache of at least this many bytes a core takes it
+
+
+@cache
+def l1_data_cache() -> int | None:
+    """Bytes of this machine's L1 data cache a core (None where the system does not say)."""
+    try:
+        size = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
+        if size > 0:
+            return size
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index0/size").read_text().strip().upper()
+        return int(text.rstrip("K")) * 1024 if text.endswith("K") else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def ahead_locality() -> int:
+    """Which cache the tiled kernel's weight stream prefetches into (`SPECFX_AHEAD_LOCALITY` in
+    the header): 3, the L1, where a core's L1 data cache holds `L1_PREFETCH_FROM` bytes or more;
+    2, the L2, where it holds less or the system does not say. `$SPECFX_PREFETCH` ("l1", "l2")
+    decides instead. Read when specfx is imported (`AHEAD_LOCALITY`); it is part of `VERSION`,
+    so that a graph compiled with the other level is another graph for Inductor's cache."""
+    named = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if named:
+        if named not in ("l1", "l2"):
+            raise ValueError(f"${PREFETCH_ENV} must be l1 or l2, got {named!r}")
+        return 3 if named == "l1" else 2
+    size = l1_data_cache()
+    return 3 if size is not None and size >= L1_PREFETCH_FROM else 2
+
+
+def _version(locality: int) -> int:
+    return int(hashlib.sha256((SOURCE + ATTEND_SOURCE + Path(__file__).read_text() + f"ahead={locality}").encode())
+               .hexdigest()[:7], 16)
+
+
+AHEAD_LOCALITY = ahead_locality()       # what the compiled kernels define, as of this import
+VERSION = _version(AHEAD_LOCALITY)
+
+
 # `tiled_linear`'s 2-D weights (its rows: float32), as the kernel's C++ parameter.
 WEIGHT_DTYPES = {torch.float32: "const float* W", torch.bfloat16: "const uint16_t* W", torch.int8: "const int8_t* W"}
 def store_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,6 +252,7 @@ def register() -> None:
             record = f'torch::aot_inductor::RAIIAtenRecordFunctionHandle record_("{call}", nullptr); '
         src = (f"#include <torch/csrc/inductor/cpp_prefix.h>\n"
                + ("#include <torch/csrc/inductor/aoti_runtime/utils.h>\n" if record else "")
+               + f"#define SPECFX_AHEAD_LOCALITY {AHEAD_LOCALITY}\n"
                + f"{SOURCE}\n" + (f"{ATTEND_SOURCE}\n" if "attend" in call else "")
                + f'extern "C" void {marker}({", ".join(params)})\n'
                f"{{ {record}{call}; }}\n")

@@ -1,0 +1,78 @@
+"""Where the tiled kernel's weight stream should prefetch, L1 or L2 (`SPECFX_AHEAD_LOCALITY` in
+`specfx/kernels/tiled_linear.h`, chosen by `tiled_linear.ahead_locality`): pycoder's 85 weight
+matrices (49 kernels, each input waiting on the kernel before, as `grouped_linears.py` times
+them), and with `--steps` each drafter's fused step, compiled both ways in one process and timed
+round-robin (median of `--rounds`), repeated `--repeats` times.
+
+    python benchmarks/prefetch.py [--rows 1,4,8] [--steps none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch._inductor import config
+
+from grouped_linears import chain, weight_groups
+from specfx import zoo
+from specfx.kernels import tiled_linear
+from specfx.matmul_choice import machine, round_robin
+from specfx.runtime.compile import compile_graph
+
+LOCALITY = {"l1": 3, "l2": 2}
+LEVELS = tuple(LOCALITY)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--steps", default="", help="drafter specs whose fused steps to time too (comma-separated)")
+    ap.add_argument("--span", type=int, default=192, help="cache slots a step reads (--steps)")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model, tok = zoo.load("pycoder")
+    _, grouped = weight_groups(model)
+    calls = {}
+    default = tiled_linear.AHEAD_LOCALITY
+    # Each level's graphs compiled anew (Inductor's FX graph cache would return the first level's
+    # code: its key is the graph, whose VERSION argument is fixed at import).
+    with torch.no_grad(), config.patch({"fx_graph_cache": False}):
+        for level in LEVELS:
+            tiled_linear.AHEAD_LOCALITY = LOCALITY[level]
+            for M in (int(r) for r in args.rows.split(",")):
+                xs = [torch.randn(M, K) for K in sorted({ws[0].shape[1] for ws in grouped})]
+                fn = compile_graph(chain(grouped), "inductor")
+                flat = [w for ws in grouped for w in ws] + xs
+                fn(*flat)                                  # compiled here, at this level
+                calls[(f"{M} rows", level)] = lambda fn=fn, flat=flat: fn(*flat)
+            if args.steps:
+                import specfx
+
+                ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
+                for spec in args.steps.split(","):
+                    fast = specfx.compile(model, draft=spec, max_seq_len=max(256, args.span + 64))
+                    fast.generate(ids, max_new_tokens=64)
+                    fast.runtime.state.set_span(args.span)
+                    calls[(f"step {spec}", level)] = fast.runtime._step
+    tiled_linear.AHEAD_LOCALITY = default
+    print(f"{machine()}; L1 data cache {tiled_linear.l1_data_cache()} bytes a core (default: "
+          f"{'l1' if default == 3 else 'l2'}); ms, median of {args.rounds} rounds, "
+          "each repeat on its own line")
+    runs = []
+    for _ in range(args.repeats):
+        ms = {key: s * 1e3 for key, s in round_robin(calls, args.rounds).items()}
+        runs.append(ms)
+        print("  ".join(f"{what} {level}: {t:.3f}" for (what, level), t in ms.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine(), l1_data_cache=tiled_linear.l1_data_cache(), rounds=args.rounds,
+                           runs=[[dict(what=w, prefetch=lv, ms=t) for (w, lv), t in ms.items()] for ms in runs]),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
