@@ -256,13 +256,13 @@ static inline __attribute__((always_inline)) void row(vf* acc, const float* x, c
 constexpr int AHEAD = 16384;
 
 // Which cache those prefetches fill: 3 (L1, `prefetcht0`) or 2 (L2, `prefetcht1`). The graph's
-// source defines it from the machine (`tiled_linear.ahead_locality`): where the L1 holds 48 KB
-// a core, L1; where it holds less, L2. (pycoder's 85 matrices as 49 kernels, two threads, both
+// source defines it from the machine (`tiled_linear.ahead_locality`): where a core's L1 holds
+// 48 KB or more, L1; where it holds less, L2. (pycoder's 85 matrices as 49 kernels, two threads, both
 // levels compiled in one process and timed round-robin, `benchmarks/prefetch.py`: on a 2-core
 // AMD EPYC with AVX-512 and a 32 KB L1, 4 rows 3.16-3.69 ms into L1 against 2.71-2.96 into L2,
 // 8 rows 3.76-4.54 against 2.75-2.98, one row 2.49-2.77 either way, and the 2x2x1x1x1 tree's
-// fused MTP step 5.41-6.68 against 4.47-4.94; on the one with a 48 KB L1 above, 4 rows
-// 1.062-1.097 ms into L1 against 1.115-1.156 into L2.)
+// fused MTP step 5.41-6.68 against 4.47-4.94; on the AVX-512 EPYC above, a Zen 5 whose L1
+// holds 48 KB, 4 rows 1.062-1.097 ms into L1 against 1.115-1.156 into L2.)
 #ifndef SPECFX_AHEAD_LOCALITY
 #define SPECFX_AHEAD_LOCALITY 3
 #endif
