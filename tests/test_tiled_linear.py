@@ -93,7 +93,6 @@ def test_python_wrapper_compiles_it_too():
                                rtol=1e-4, atol=1e-4)
 
 
-
 def test_the_weight_stream_prefetches_into_l1_only_where_the_l1_is_large(monkeypatch):
     monkeypatch.delenv(tiled_linear.PREFETCH_ENV, raising=False)
     for size, level in ((48 * 1024, 3), (64 * 1024, 3), (32 * 1024, 2), (None, 2)):
