@@ -16,7 +16,10 @@ weight at a time in a loop misleads: in cache, or with the call overhead of a lo
 BLAS call looks faster than it runs in a step, where each weight is read once from memory.
 Over several rows a fourth measurement settles between the tiled kernel and the reduction,
 which the chains leave out there: the model's own verify pass at that width, compiled under
-each (`MatmulPlan.settle`), since in a graph the reduction fuses with what surrounds it.
+each (`MatmulPlan.settle`), since in a graph the reduction fuses with what surrounds it. A
+draft's weights (a head's, early exit's stored copies, a draft model's) are settled the same
+way at one row where their chains chose the tiled kernel: in the draft's one-row pass, timed
+as a step runs it, after the model's weights.
 A row count is measured once per machine and weight set: results are kept in
 `$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
 version, dtype, M, the weights' shapes and the kernels' versions.
@@ -52,7 +55,8 @@ from specfx.passes.skinny_matmul import KERNELS, MATERIALIZE, MAX_ROWS, SHOWN, C
 from specfx.runtime.compile import CPU_INDUCTOR, compile_graph
 
 REPEATS = 15
-GRAPH_REPEATS = 15     # rounds of `MatmulPlan.settle`'s two verify graphs
+GRAPH_REPEATS = 15     # rounds of `MatmulPlan.settle`'s two graphs
+_GRAPH = {True: "the model's verify", False: "the draft's pass"}    # what `settle` times: set 0's, another's
 # The reduction replaces the tiled kernel in a verify graph only where its graph ran in under
 # this fraction of the tiled one's time. Timed alone, the two are within a few percent on some
 # machines and the order flips with the machine's drift, while in the generate loop the tiled
@@ -91,16 +95,21 @@ class MatmulPlan:
         self.sets: list[tuple[list[torch.Tensor], torch.dtype]] = []
         self.include(weights)
         self.measured: dict[str, dict] = {}
-        self.in_graph: dict[int, dict] = {}    # M -> the model's verify pass at M rows, ms under each kernel
+        # (set, M) -> a graph of that set's linears at M rows (the model's verify, a draft's pass),
+        # ms under each kernel (see `settle`)
+        self.in_graph: dict[tuple[int, int], dict] = {}
 
-    def include(self, weights, rows: torch.dtype | None = None) -> None:
+    def include(self, weights, rows: torch.dtype | None = None) -> int | None:
         """Another weight set (a draft model's, a head's, early exit's stored copies), measured
         as a set of its own, with rows of dtype `rows` (default: the weights'; float32 for weights
         stored in bfloat16 or int8 and widened where they are read: `mtp.store_weights`, the
-        `store_draft_weights` pass)."""
+        `store_draft_weights` pass). Returns the set's index (`settle` takes it), None where it
+        holds no matrix."""
         ws = [w.detach() for w in weights if w.dim() == 2]
-        if ws:
-            self.sets.append((ws, rows or ws[0].dtype))
+        if not ws:
+            return None
+        self.sets.append((ws, rows or ws[0].dtype))
+        return len(self.sets) - 1
 
     def __call__(self, M: int, N: int, K: int, dtype: torch.dtype | None = None) -> Choice:
         """The kernel for M rows times a weight [N, K] stored in `dtype`: chosen from the timing
@@ -111,54 +120,69 @@ class MatmulPlan:
         def holds(ws, same_dtype: bool) -> bool:
             return any(tuple(w.shape) == (N, K) and (not same_dtype or w.dtype == dtype) for w in ws)
 
-        weights, rows = next(((ws, r) for same in ((True, False) if dtype is not None else (False,))
-                              for ws, r in self.sets if holds(ws, same)), (None, None))
-        if weights is None:
+        index = next((i for same in ((True, False) if dtype is not None else (False,))
+                      for i, (ws, _) in enumerate(self.sets) if holds(ws, same)), None)
+        if index is None:
             return Choice("blas", f"{N}x{K}: not a weight of the measured models")
+        weights, rows = self.sets[index]
         t = self.timing(weights, M, rows)
         times = _kernel_ms(t)
         best = min(times, key=times.get)
         took = ", ".join(f"{SHOWN[k]} {ms:.2f} ms" for k, ms in times.items())
-        graph = self.in_graph.get(M) if weights is self.sets[0][0] else None
+        graph = self.in_graph.get((index, M))
         if graph is not None and best == "tiled":
             best = "reduce" if graph["reduce"] < SETTLE_MARGIN * graph["tiled"] else "tiled"
-            took += "; the model's verify at these rows took " + ", ".join(
+            took += f"; {_GRAPH[index == 0]} at these rows took " + ", ".join(
                 f"{SHOWN[k]} {ms:.2f} ms" for k, ms in graph.items())
             if best == "tiled" and graph["reduce"] < graph["tiled"]:
                 took += f" (the reduction's not under {SETTLE_MARGIN:.0%} of the tiled kernel's)"
         return Choice(best, f"M={M}: {t['linears']} linears took {took}: {SHOWN[best]}")
 
-    def settle(self, M: int, verify: Callable[[str], Callable[[], object]]) -> None:
-        """Choose between the tiled kernel and the reduction for the model's own linears at M
-        rows (1 < M <= MAX_ROWS, where the chains chose the tiled kernel and leave the reduction
-        out: see `forms`) by timing the model's verify pass at M rows compiled under each,
-        round-robin: `verify(kernel)` is a call of it with every linear on `kernel`.
+    def settle(self, M: int, run: Callable[[str], Callable[[], object]], index: int = 0, calls: int = 1) -> None:
+        """Choose between the tiled kernel and the reduction for the linears of weight set
+        `index` at M rows, where the chains chose the tiled kernel, by timing a graph of those
+        linears at M rows compiled under each, round-robin: `run(kernel)` is a call of it with
+        every linear on `kernel`. The model's own set (0) is settled in its verify pass over
+        1 < M <= MAX_ROWS rows, where the chains leave the reduction out (see `forms`); a draft's
+        set in its one-row draft pass, where they time it but not what it fuses with, as a step
+        runs it: `calls` passes in a row (a step's drafts), after the model's weights have
+        streamed through the caches (a step's verify pass, untimed).
 
-        Only a whole graph shows what the reduction costs over several rows: there it fuses with
-        the norms, residuals and rotary around it, and a layer's kernels merge, which the chains
-        of lone linears cannot show, and which way that tips depends on the machine. pycoder's
-        verify of 4 rows, 2 threads, the two graphs round-robin in one process: on a 2-core AMD
-        EPYC (AVX2) the reduction's ran 8-12% faster (3.19-3.46 against 3.51-3.95 ms), on an
-        Intel Xeon (AVX-512) it cost 1.32x the tiled kernel's (an earlier build). Remembered
-        like the chains' timings; a compile of each graph the first time."""
-        if not 1 < M <= MAX_ROWS or not self.sets:
+        Only a whole graph shows what the reduction costs: there it fuses with the norms,
+        residuals and rotary around it, and a layer's kernels merge, which the chains of lone
+        linears cannot show, and which way that tips depends on the machine. pycoder's verify of
+        4 rows, 2 threads, the two graphs round-robin in one process: on a 2-core AMD EPYC
+        (AVX2) the reduction's ran 8-12% faster (3.19-3.46 against 3.51-3.95 ms), on an Intel
+        Xeon (AVX-512) it cost 1.32x the tiled kernel's (an earlier build). At one row, on a
+        2-core AMD EPYC with AVX-512, the chains of pycoder's int8 MTP head timed the tiled kernel
+        at 0.086 ms against the reduction's 0.118, while the head's pass (one fused kernel on the
+        reduction) ran in 154-169 us against 196-230 among the step's other parts, and early
+        exit's int8 draft pass in 492-527 against 640-645. Called one after the other, the head's
+        pass took 108 us tiled against 140, its weights in the cache; after a 96 MB stream, 385
+        against 297, four in a row 917 against 802. Remembered like the chains' timings; a
+        compile of each graph the first time."""
+        if not (1 < M if index == 0 else 0 < M) or M > MAX_ROWS or not 0 <= index < len(self.sets):
             return
-        weights, rows = self.sets[0]
+        weights, rows = self.sets[index]
         times = _kernel_ms(self.timing(weights, M, rows))
         if min(times, key=times.get) != "tiled":
             return
-        key = self._key(weights, M, rows, "verify graph")
+        what = _GRAPH[index == 0]
+        key = self._key(weights, M, rows, "verify graph" if index == 0 else f"draft graph x{calls}")
         graph = _load().get(key)
         if graph is None:
+            model = self.sets[0][0]
+            stream = None if index == 0 else (lambda: [w.sum() for w in model])   # noqa: E731
             try:
-                ms = round_robin({k: verify(k) for k in ("tiled", "reduce")}, GRAPH_REPEATS)
+                timed = {k: _times(run(k), calls) for k in ("tiled", "reduce")}
+                ms = round_robin(timed, GRAPH_REPEATS, before=stream)
             except Exception as e:          # noqa: BLE001 - a timing, not the compile: the chains' choice stands
-                warnings.warn(f"the verify graph at {M} rows could not be timed under both kernels "
+                warnings.warn(f"{what} at {M} rows could not be timed under both kernels "
                               f"({type(e).__name__}: {e}); its linears stay on the tiled kernel")
                 return
             graph = {k: s * 1e3 for k, s in ms.items()}
             _store(key, graph)
-        self.in_graph[M] = graph
+        self.in_graph[(index, M)] = graph
 
     @staticmethod
     def _key(weights: list[torch.Tensor], M: int, rows: torch.dtype | None, what: str = "") -> str:
@@ -245,7 +269,7 @@ def forms(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None) 
     graph alone, the two kernels alternating in one process) it cost 1.32x the tiled kernel's
     verify at 4 rows, 1.07x at 3 and 1.04x at 2, where the chain had timed it 16% faster at 4
     rows and 3% at 3; on a 2-core AMD EPYC it ran 8-12% faster at 4 rows. At one row the
-    reduction fuses with the norms around it, and wins in the step as in the chain."""
+    chains time the reduction too; there a draft's pass settles what they cannot show."""
     w0 = weights[0]
     tiled = ((rows or w0.dtype) == torch.float32 and w0.dtype in tiled_linear.WEIGHT_DTYPES
              and w0.device.type == "cpu" and tiled_linear.available()[0])
@@ -272,14 +296,15 @@ def chains(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None)
     return out
 
 
-def round_robin(calls: dict, repeats: int) -> dict:
+def round_robin(calls: dict, repeats: int, before: Callable[[], object] | None = None) -> dict:
     """name -> median seconds of `calls[name]()`, timed in `repeats` rounds that each call every
     one once (after a round of warm-up), so that a drift in the machine's speed reaches each
     alike: timed one after another, a slow moment once decided a kernel choice, and a step
     compared with a probe timed seconds apart moved by a third. Each round calls them in a new
     order (seeded, so a run repeats): in a fixed order a call always follows the same other one,
     whose data it finds in the cache or has to evict (a step compiled twice on one state, the
-    first copy called right after another model's step, timed 6% slower than the second)."""
+    first copy called right after another model's step, timed 6% slower than the second).
+    `before`, where given, runs untimed before each call."""
     times = {name: [] for name in calls}
     order, shuffle = list(calls), random.Random(0).shuffle
     with torch.no_grad():
@@ -287,6 +312,8 @@ def round_robin(calls: dict, repeats: int) -> dict:
             shuffle(order)
             for name in order:
                 fn = calls[name]
+                if before is not None:
+                    before()
                 t = time.perf_counter()
                 fn()
                 if r:
@@ -312,6 +339,11 @@ def _chain(weights: list[torch.Tensor], ks: list[int], kernel) -> fx.GraphModule
         outs.append(y.node)
     graph.output(outs)
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _times(fn: Callable[[], object], n: int) -> Callable[[], object]:
+    """A call of `fn` n times in a row (`fn` itself for one)."""
+    return fn if n == 1 else lambda: [fn() for _ in range(n)]
 
 
 def _kernel_ms(timing: dict) -> dict:

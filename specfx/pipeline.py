@@ -174,22 +174,42 @@ SETTLE_BACKEND = "inductor"
 
 def _verify_call(ctx: BuildContext, kernel: str) -> Callable[[], object]:
     """A call of the target's verify pass over the proposal's rows with every linear on
-    `kernel`, compiled by Inductor as the runtime compiles it, at a SETTLE_CONTEXT-token context
-    in the target's own KV buffers (nothing generates yet: a prefill overwrites what it
-    writes). What `MatmulPlan.settle` times."""
+    `kernel` (see `_settle_call`). What `MatmulPlan.settle` times for the model's weights."""
     from specfx.matmul_choice import FixedPlan
+
+    gm = dataclasses.replace(ctx, pm=PassManager(), matmul=FixedPlan(kernel)).verify(name="settle")
+    return _settle_call(ctx, gm, ctx.target.kv)
+
+
+def _settle_draft(ctx: BuildContext, index: int | None, draft: Callable, kv: list, calls: int) -> None:
+    """With a measured plan on the CPU, the kernel of a draft's one-row linears (the plan's
+    weight set `index`) timed in the draft's own one-row pass, `calls` in a row as a step runs
+    them: `draft(plan)` is that graph with every linear under `plan`, reading the KV buffers
+    `kv` (`MatmulPlan.settle`)."""
+    from specfx.matmul_choice import FixedPlan
+
+    settle = getattr(ctx.matmul, "settle", None)
+    if settle is not None and index is not None and ctx.tiled() and kv[0].device.type == "cpu":
+        settle(1, lambda kernel: _settle_call(ctx, draft(FixedPlan(kernel)), kv), index, max(1, calls))
+
+
+def _settle_call(ctx: BuildContext, gm: fx.GraphModule, kv: list) -> Callable[[], object]:
+    """A call of `gm` (a graph whose last inputs are the KV buffers `kv`) compiled by Inductor as
+    the runtime compiles it, its rows at the end of a SETTLE_CONTEXT-token context in those
+    buffers (nothing generates yet: a prefill overwrites what it writes), its other inputs
+    zeros. What `MatmulPlan.settle` times."""
     from specfx.runtime.compile import SPAN, compile_graph
     from specfx.runtime.generate import SPAN_ALIGN
 
-    gm = dataclasses.replace(ctx, pm=PassManager(), matmul=FixedPlan(kernel)).verify(name="settle")
-    kv = ctx.target.kv
-    B, W, device = ctx.batch_size, ctx.tree.size + 1, kv[0].device
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]
+    B, W, device = ctx.batch_size, inputs[0].meta["val"].shape[1], kv[0].device
     last = min(SETTLE_CONTEXT, ctx.seq_len - W - 1)
     span = min(ctx.seq_len, -(-(last + W) // SPAN_ALIGN) * SPAN_ALIGN)
-    values = {"input_ids": torch.zeros(B, W, dtype=torch.long, device=device),
-              "last": torch.full((B,), last, dtype=torch.long, device=device),
+    values = {"last": torch.full((B,), last, dtype=torch.long, device=device),
+              "positions": static_positions(B, W, device) + last,
               "span": torch.zeros(span, dtype=torch.uint8, device=device)}
-    args = [values[n.name] for n in [n for n in gm.graph.nodes if n.op == "placeholder"][: -len(kv)]]
+    args = [values[n.name] if n.name in values else
+            torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype, device=device) for n in inputs]
     fn = compile_graph(gm, SETTLE_BACKEND, dynamic=SPAN)
     return lambda: fn(*args, *kv)
 
@@ -321,10 +341,15 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     check_exit_layer(s, E)
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
     stored = ctx.drafter.draft_weights(ctx.model, ctx.tiled())
-    draft = pm.run_all([AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else [])],
-                       ctx.target.capture(1), graph="draft")
+
+    def cut() -> list[Pass]:                          # the draft pass before the tail passes
+        return [AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else [])]
+
+    draft = pm.run_all(cut(), ctx.target.capture(1), graph="draft")
     if stored and ctx.matmul is not None:             # the stored copies' kernels are timed as a set of their own
-        ctx.matmul.include(stored_weights(draft), rows=next(ctx.model.parameters()).dtype)
+        stored_set = ctx.matmul.include(stored_weights(draft), rows=next(ctx.model.parameters()).dtype)
+        _settle_draft(ctx, stored_set, lambda plan: PassManager().run_all(
+            [*cut(), *tail_passes(plan)], ctx.target.capture(1), graph="settle"), ctx.target.kv[: 2 * E], k)
     draft = pm.run_all(ctx.tail(), draft, graph="draft")
     if stored is None:
         # The drafts' KV and exit states are the model's: k drafts and the pass that computes the
@@ -358,15 +383,17 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
     weights = ctx.drafter.head_weights(model, ctx.tiled())
     static = StaticHead(model, head, ctx.batch_size, ctx.seq_len, weights_dtype=weights)
     param = next(model.parameters())
+    head_set = None
     if ctx.matmul is not None:
         # The head's linears, and where drafting reads its own stored copy of the lm_head, that copy.
         stored_head = static.lm_head.parameters() if isinstance(static.lm_head, StoredLinear) else ()
-        ctx.matmul.include([*static.head.parameters(), *stored_head], rows=param.dtype if weights else None)
+        head_set = ctx.matmul.include([*static.head.parameters(), *stored_head], rows=param.dtype if weights else None)
     hidden_size, taps = head.hidden_size, head.taps(s.num_layers)
     combiner = head.combiner(target_parts(model))
     layout = KVLayout((("target", 2 * s.num_layers), ("head", 2), ("history", 1), ("ahead", 2)))
 
-    def cap(width: int, name: str, logits: bool = False, dynamic: bool = False, keep: bool = False) -> fx.GraphModule:
+    def cap(width: int, name: str, logits: bool = False, dynamic: bool = False, keep: bool = False,
+            matmul=None) -> fx.GraphModule:
         B = ctx.batch_size
         static.with_logits = logits
         ids = torch.zeros(B, width, dtype=torch.long, device=param.device)
@@ -375,6 +402,8 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         if keep:                                    # the one query whose outputs are kept: see StaticHead
             args += (torch.zeros(B, 1, dtype=torch.long, device=param.device),)
         gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
+        if matmul is not None:                      # a graph `_settle_draft` times, not one of the build's
+            return PassManager().run_all(tail_passes(matmul, static.kv_names()), gm, graph=name)
         return pm.run_all(ctx.tail(static.kv_names()), gm, graph=name)
 
     def cap_combine(width: int, name: str, dynamic: bool = False) -> fx.GraphModule | None:
@@ -386,6 +415,8 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         return pm.run_all(skinny_passes(ctx.matmul), gm, graph=name)
 
     attach = lambda: ExposeHidden(head_hidden_size=hidden_size, taps=taps)  # noqa: E731
+    _settle_draft(ctx, head_set, lambda plan: cap(1, "settle", logits=True, matmul=plan), static.kv(),
+                  ctx.tree.depth - 1)
     draft, refill = cap(1, "draft", logits=True), cap(ctx.tree.depth + 1, "refill", logits=True, keep=True)
     verify = ctx.verify([attach()])
     target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module
@@ -411,12 +442,14 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
 def _build_draft_model(ctx: BuildContext) -> Drafting:
     draft_model = ctx.drafter.load(like=ctx.model)
     check_same_tokenizer(ctx.model, draft_model)
-    if ctx.matmul is not None:
-        ctx.matmul.include(draft_model.parameters())
+    draft_set = None if ctx.matmul is None else ctx.matmul.include(draft_model.parameters())
     d = capture_model(ctx.pm, draft_model, name="draft_prefill", batch_size=ctx.batch_size,
                       seq_len=ctx.seq_len, chunk=ctx.prefill_chunk, matmul=ctx.matmul)
+    draft = d.capture(1)                     # first: the graph FindStructure mapped (the timed ones are new)
+    _settle_draft(ctx, draft_set, lambda plan: PassManager().run_all(tail_passes(plan), d.capture(1), graph="settle"),
+                  d.kv, ctx.k + ctx.tree.is_chain)
     layout = KVLayout((("target", 2 * ctx.target.structure.num_layers), ("draft", 2 * d.structure.num_layers)))
-    draft = ctx.pm.run_all(ctx.tail(), d.capture(1), graph="draft")
+    draft = ctx.pm.run_all(ctx.tail(), draft, graph="draft")
     verify = ctx.verify()
     if ctx.tree.is_chain:      # k drafts and the catch-up pass over the last
         refill = None

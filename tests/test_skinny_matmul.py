@@ -233,6 +233,38 @@ def test_the_verify_graph_settles_the_kernel_the_chains_cannot(tmp_path, monkeyp
     matmul_choice.MatmulPlan(weights).settle(5, lambda kernel: pytest.fail("no question to settle"))
 
 
+def test_a_drafts_one_row_kernel_is_settled_in_its_draft_pass(tmp_path, monkeypatch):
+    """A draft's set at one row, where its chains chose the tiled kernel: its pass decides, timed
+    `calls` times in a row after the model's weights (untimed), once per machine and count."""
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": 2, "tiled_ms": 1.0,
+                                                                       "reduce_ms": 2.0, "blas_ms": 3.0})
+    graph_ms = {"tiled": 3.0, "reduce": 2.0}
+    clock = iter(range(100_000))
+    monkeypatch.setattr(matmul_choice.time, "perf_counter", lambda: next(clock))
+    calls, streamed = [], []
+
+    def draft(kernel):                               # a pass of graph_ms[kernel] ticks (three, and the timing's own)
+        return lambda: calls.append(kernel) or [next(clock) for _ in range(int(graph_ms[kernel]))]
+
+    weights = [torch.randn(8, 4), torch.randn(4, 8)]
+    plan = matmul_choice.MatmulPlan(weights)
+    head = plan.include([w.to(torch.int8) for w in weights], rows=torch.float32)
+    assert head == 1 and plan.include([torch.randn(3)]) is None     # a set without a matrix: nothing to settle
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "sum", lambda self, *a, **k: streamed.append(self.shape))
+        plan.settle(1, draft, head, calls=3)
+    assert plan(1, 8, 4, torch.int8).kernel == "reduce"
+    reason = plan(1, 8, 4, torch.int8).reason
+    assert "the draft's pass at these rows took tiled 10000.00 ms, reduce 7000.00 ms: reduce" in reason
+    rounds = matmul_choice.GRAPH_REPEATS + 1
+    assert calls.count("tiled") == calls.count("reduce") == 3 * rounds            # three passes a timing
+    assert len(streamed) == 2 * len(weights) * rounds                             # the model's weights before each
+    assert plan(1, 8, 4, torch.float32).kernel == "tiled"         # the model's own set: not settled at one row
+    plan.settle(1, lambda kernel: pytest.fail("the model's one row is not settled"))
+
+
 def test_build_settles_the_verify_width_on_the_verify_graph(tmp_path, monkeypatch):
     """`build` asks a measured plan to settle the verify's width, and the verify it hands over
     runs under the kernel asked for; the step's verify then takes the kernel the plan chose."""
@@ -249,7 +281,7 @@ def test_build_settles_the_verify_width_on_the_verify_graph(tmp_path, monkeypatc
     monkeypatch.setattr(pipeline, "SETTLE_BACKEND", "eager")
     ran = {}
 
-    def timed(calls, repeats):
+    def timed(calls, repeats, before=None):
         for kernel, call in calls.items():
             out = call()
             ran[kernel] = out[0].shape
@@ -287,33 +319,82 @@ def test_int8_drafts_take_the_kernel_timed_on_their_own_weights(draft, tmp_path,
     """Early exit's stored layers and an MTP head's stored lm_head have the target's shapes: where
     the float32 model's linears time fastest as the reduction and the int8 copies' as the tiled
     kernel, the draft graph reads every int8 weight through the tiled kernel (the plan once took
-    the first set of the shape, the target's, and drafted from int8 rows 4x slower)."""
+    the first set of the shape, the target's, and drafted from int8 rows 4x slower). The draft's
+    one-row pass, timed under both kernels after the model's weights, has the last word: where
+    the reduction's runs faster, every int8 weight goes to the reduction."""
+    from specfx import pipeline
     from specfx.kernels import tiled_linear
     from specfx.mtp import new_head, save_head
 
     if not tiled_linear.available()[0]:
         pytest.skip(tiled_linear.available()[1])
-    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(matmul_choice.ENV, raising=False)            # measured (as the lambda below says)
-    monkeypatch.setattr(matmul_choice, "_memory", {})
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: (
         {"linears": len(ws), "tiled_ms": 0.3, "reduce_ms": 1.0} if ws[0].dtype == torch.int8
         else {"linears": len(ws), "tiled_ms": 1.1, "reduce_ms": 1.0, "blas_ms": 2.0}))
+    monkeypatch.setattr(pipeline, "SETTLE_BACKEND", "eager")
+    settled = []
     model = tiny_model("llama", layers=4, seed=3)
     if draft == "mtp":
         draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
-    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=32, backend="eager",
-                          skinny_matmul=True, warmup=False)
+    for faster in ("tiled", "reduce"):
+        def timed(calls, repeats, before=None):
+            outs = [call() for call in calls.values()]          # each kernel's draft pass runs
+            settled.append((before is not None, len(outs)))
+            return {"tiled": 2e-3, "reduce": 2e-3, faster: 1e-3}
+
+        monkeypatch.setattr(matmul_choice, "round_robin", timed)
+        monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path / faster))
+        monkeypatch.setattr(matmul_choice, "_memory", {})
+        fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=32, backend="eager",
+                              skinny_matmul=True, warmup=False)
+        assert settled.pop() == (True, 2) and not settled         # the draft's pass, after the model's weights
+        gm = fast.graphs.parts["draft"]
+        vals = {n: n.meta.get("val") for n in gm.graph.nodes}
+        int8 = lambda n: isinstance(n, torch.fx.Node) and vals[n] is not None and vals[n].dtype == torch.int8  # noqa: E731
+        tiled = [w for w in _tiled_weights(gm) if int8(w)]
+        widened = [n.args[0] for n in gm.graph.nodes if n.target is aten.to.dtype and int8(n.args[0])]
+        on = tiled if faster == "tiled" else widened
+        assert on and not (widened if faster == "tiled" else tiled)   # every int8 weight on one kernel
+        if str(draft).startswith("early-exit"):
+            assert len(on) == 2 * 7 + 1             # the layers before the exit, the lm_head
+        else:
+            assert any(vals[w].shape == model.lm_head.weight.shape for w in on)   # the stored lm_head
+
+
+def test_a_draft_models_one_row_kernel_is_settled_in_its_draft_pass(tmp_path, monkeypatch):
+    """A draft model's float32 linears at one row, where their chains chose the tiled kernel: its
+    one-row pass, timed after the target's weights, decides."""
+    from specfx import pipeline
+    from specfx.kernels import tiled_linear
+
+    if not tiled_linear.available()[0]:
+        pytest.skip(tiled_linear.available()[1])
+    monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(matmul_choice.ENV, raising=False)
+    monkeypatch.setattr(matmul_choice, "_memory", {})
+    model, draft = tiny_model("llama", layers=4, seed=3), tiny_model("llama", layers=1, seed=4)
+    draft_linears = sum(p.dim() == 2 for p in draft.parameters())
+    monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: (
+        {"linears": len(ws), "tiled_ms": 0.3, "reduce_ms": 1.0, "blas_ms": 2.0} if len(ws) == draft_linears
+        else {"linears": len(ws), "tiled_ms": 1.1, "reduce_ms": 1.0, "blas_ms": 2.0}))
+    monkeypatch.setattr(pipeline, "SETTLE_BACKEND", "eager")
+    settled = []
+
+    def timed(calls, repeats, before=None):
+        for call in calls.values():
+            call()
+        settled.append("draft" if before is not None else "verify")
+        return {"tiled": 2e-3, "reduce": 1e-3}
+
+    monkeypatch.setattr(matmul_choice, "round_robin", timed)
+    fast = specfx.compile(model, draft=specfx.DraftModel(draft), num_speculative_tokens=2, max_seq_len=32,
+                          backend="eager", skinny_matmul=True, warmup=False)
+    assert settled == ["draft"]                      # (the model's chains chose the reduction: no verify to settle)
     gm = fast.graphs.parts["draft"]
-    vals = {n: n.meta.get("val") for n in gm.graph.nodes}
-    int8 = lambda n: isinstance(n, torch.fx.Node) and vals[n] is not None and vals[n].dtype == torch.int8  # noqa: E731
-    tiled = [w for w in _tiled_weights(gm) if int8(w)]
-    widened = [n for n in gm.graph.nodes if n.target is aten.to.dtype and int8(n.args[0])]
-    assert tiled and not widened                    # no int8 weight is read as the reduction's widened copy
-    if str(draft).startswith("early-exit"):
-        assert len(tiled) == 2 * 7 + 1              # the layers before the exit, the lm_head
-    else:
-        assert any(vals[w].shape == model.lm_head.weight.shape for w in tiled)   # the stored lm_head
+    assert _count(gm, torch.ops.specfx.tiled_linear.default) == 0 and _tiled_weights(gm) == []
+    prompt = torch.randint(3, 96, (1, 9))
+    assert_greedy_equal(model, fast.generate(prompt, max_new_tokens=12), hf_greedy(model, prompt, 12), 9)
 
 
 @pytest.mark.slow

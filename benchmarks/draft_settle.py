@@ -1,0 +1,71 @@
+"""What settling a draft's one-row kernel in its own pass changes (`MatmulPlan.settle` for a draft's
+weight set): each drafter's fused step on pycoder, compiled with the measured plan as it is and
+with the draft's one-row kernel left to its chains (the settle turned off), in one process,
+timed round-robin (median of `--rounds`), repeated `--repeats` times. Prints which kernel each
+build's draft pass reads its weights with.
+
+    python benchmarks/draft_settle.py [--drafts mtp:pycoder-mtp:tree=1x1x1,mtp,early-exit] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import specfx
+from specfx import matmul_choice, pipeline, zoo
+from specfx.matmul_choice import machine, round_robin
+
+WAYS = ("settled", "chains")
+
+
+def draft_kernels(gm) -> str:
+    """How many tiled kernels the draft pass calls (none: its linears are the reduction's)."""
+    ops = torch.ops.specfx
+    tiled = sum(n.target in (ops.tiled_linear.default, ops.tiled_linears.default) for n in gm.graph.nodes)
+    return f"{tiled} tiled kernels"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafts", default="mtp:pycoder-mtp:tree=1x1x1,mtp,early-exit")
+    ap.add_argument("--span", type=int, default=192, help="cache slots a step reads")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ.pop(matmul_choice.ENV, None)             # the measured plan
+    model, tok = zoo.load("pycoder")
+    ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
+    settle, calls, kernels = pipeline._settle_draft, {}, {}
+    for way in WAYS:
+        pipeline._settle_draft = settle if way == "settled" else (lambda *a, **k: None)
+        for spec in args.drafts.split(","):
+            fast = specfx.compile(model, draft=spec, max_seq_len=max(256, args.span + 64))
+            fast.generate(ids, max_new_tokens=64)
+            fast.runtime.state.set_span(args.span)
+            calls[(spec, way)] = fast.runtime._step
+            kernels[(spec, way)] = draft_kernels(fast.graphs.parts["draft"])
+    pipeline._settle_draft = settle
+    print(f"{machine()}; fused steps at a {args.span}-slot span, ms, median of {args.rounds} rounds, "
+          "each repeat on its own line")
+    for (spec, way), what in kernels.items():
+        print(f"  {spec} {way}: draft pass on {what}")
+    runs = []
+    for _ in range(args.repeats):
+        ms = {key: s * 1e3 for key, s in round_robin(calls, args.rounds).items()}
+        runs.append(ms)
+        print("  ".join(f"{spec} {way}: {t:.3f}" for (spec, way), t in ms.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine(), span=args.span, rounds=args.rounds,
+                           draft_pass={f"{s} {w}": k for (s, w), k in kernels.items()},
+                           runs=[[dict(draft=s, plan=w, ms=t) for (s, w), t in ms.items()] for ms in runs]),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
