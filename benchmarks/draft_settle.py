@@ -16,8 +16,9 @@ import os
 import torch
 
 import specfx
+from grouped_linears import timed_rounds
 from specfx import matmul_choice, pipeline, zoo
-from specfx.matmul_choice import machine, round_robin
+from specfx.matmul_choice import machine
 
 WAYS = ("settled", "chains")
 
@@ -54,11 +55,7 @@ def main() -> None:
           "each repeat on its own line")
     for (spec, way), what in kernels.items():
         print(f"  {spec} {way}: draft pass on {what}")
-    runs = []
-    for _ in range(args.repeats):
-        ms = {key: s * 1e3 for key, s in round_robin(calls, args.rounds).items()}
-        runs.append(ms)
-        print("  ".join(f"{spec} {way}: {t:.3f}" for (spec, way), t in ms.items()), flush=True)
+    runs = timed_rounds(calls, args.rounds, args.repeats, lambda key: f"{key[0]} {key[1]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), span=args.span, rounds=args.rounds,

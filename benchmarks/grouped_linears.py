@@ -24,6 +24,17 @@ from specfx.passes.skinny_matmul import MATERIALIZE
 from specfx.runtime.compile import compile_graph
 
 
+def timed_rounds(calls: dict, rounds: int, repeats: int, label) -> list[dict]:
+    """`repeats` timings of `calls` round-robin (key -> ms, the median of `rounds`), each printed
+    on a line of its own, a call named `label(key)`."""
+    runs = []
+    for _ in range(repeats):
+        ms = {key: s * 1e3 for key, s in round_robin(calls, rounds).items()}
+        runs.append(ms)
+        print("  ".join(f"{label(key)}: {t:.3f}" for key, t in ms.items()), flush=True)
+    return runs
+
+
 def chain(groups: list[list[torch.Tensor]]) -> fx.GraphModule:
     """`(*weights, *xs) -> outputs`: each group as one kernel (`tiled_linears`, or `tiled_linear`
     for one weight), its input x[K] plus the first column of the kernel before."""
@@ -79,11 +90,7 @@ def main() -> None:
                 flat = [w for ws in groups for w in ws] + xs
                 calls[(M, name, len(groups))] = lambda fn=fn, flat=flat: fn(*flat)
     print(f"{machine()}; ms for all 85 matrices, median of {args.rounds} rounds, each repeat on its own line")
-    runs = []
-    for _ in range(args.repeats):
-        ms = {key: s * 1e3 for key, s in round_robin(calls, args.rounds).items()}
-        runs.append(ms)
-        print("  ".join(f"M={M} {name} ({n} kernels): {t:.3f}" for (M, name, n), t in ms.items()), flush=True)
+    runs = timed_rounds(calls, args.rounds, args.repeats, lambda key: f"M={key[0]} {key[1]} ({key[2]} kernels)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), rounds=args.rounds,

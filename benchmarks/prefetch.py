@@ -15,10 +15,10 @@ import json
 import torch
 from torch._inductor import config
 
-from grouped_linears import chain, weight_groups
+from grouped_linears import chain, timed_rounds, weight_groups
 from specfx import zoo
 from specfx.kernels import tiled_linear
-from specfx.matmul_choice import machine, round_robin
+from specfx.matmul_choice import machine
 from specfx.runtime.compile import compile_graph
 
 LOCALITY = {"l1": 3, "l2": 2}
@@ -62,11 +62,7 @@ def main() -> None:
     print(f"{machine()}; L1 data cache {tiled_linear.l1_data_cache()} bytes a core (default: "
           f"{'l1' if default == 3 else 'l2'}); ms, median of {args.rounds} rounds, "
           "each repeat on its own line")
-    runs = []
-    for _ in range(args.repeats):
-        ms = {key: s * 1e3 for key, s in round_robin(calls, args.rounds).items()}
-        runs.append(ms)
-        print("  ".join(f"{what} {level}: {t:.3f}" for (what, level), t in ms.items()), flush=True)
+    runs = timed_rounds(calls, args.rounds, args.repeats, lambda key: f"{key[0]} {key[1]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), l1_data_cache=tiled_linear.l1_data_cache(), rounds=args.rounds,
