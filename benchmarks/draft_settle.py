@@ -15,10 +15,9 @@ import os
 
 import torch
 
-import specfx
-from grouped_linears import timed_rounds
 from specfx import matmul_choice, pipeline, zoo
 from specfx.matmul_choice import machine
+from timing import at_span, timed_rounds
 
 WAYS = ("settled", "chains")
 
@@ -40,14 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.pop(matmul_choice.ENV, None)             # the measured plan
     model, tok = zoo.load("pycoder")
-    ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
     settle, calls, kernels = pipeline._settle_draft, {}, {}
     for way in WAYS:
         pipeline._settle_draft = settle if way == "settled" else (lambda *a, **k: None)
         for spec in args.drafts.split(","):
-            fast = specfx.compile(model, draft=spec, max_seq_len=max(256, args.span + 64))
-            fast.generate(ids, max_new_tokens=64)
-            fast.runtime.state.set_span(args.span)
+            fast = at_span(model, tok, spec, args.span)
             calls[(spec, way)] = fast.runtime._step
             kernels[(spec, way)] = draft_kernels(fast.graphs.parts["draft"])
     pipeline._settle_draft = settle

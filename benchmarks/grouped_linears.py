@@ -19,20 +19,10 @@ from torch import fx
 
 from specfx import zoo
 from specfx.kernels import tiled_linear
-from specfx.matmul_choice import machine, round_robin
+from specfx.matmul_choice import machine
 from specfx.passes.skinny_matmul import MATERIALIZE
 from specfx.runtime.compile import compile_graph
-
-
-def timed_rounds(calls: dict, rounds: int, repeats: int, label) -> list[dict]:
-    """`repeats` timings of `calls` round-robin (key -> ms, the median of `rounds`), each printed
-    on a line of its own, a call named `label(key)`."""
-    runs = []
-    for _ in range(repeats):
-        ms = {key: s * 1e3 for key, s in round_robin(calls, rounds).items()}
-        runs.append(ms)
-        print("  ".join(f"{label(key)}: {t:.3f}" for key, t in ms.items()), flush=True)
-    return runs
+from timing import timed_rounds
 
 
 def chain(groups: list[list[torch.Tensor]]) -> fx.GraphModule:

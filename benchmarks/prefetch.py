@@ -15,11 +15,12 @@ import json
 import torch
 from torch._inductor import config
 
-from grouped_linears import chain, timed_rounds, weight_groups
+from grouped_linears import chain, weight_groups
 from specfx import zoo
 from specfx.kernels import tiled_linear
 from specfx.matmul_choice import machine
 from specfx.runtime.compile import compile_graph
+from timing import at_span, timed_rounds
 
 LOCALITY = {"l1": 3, "l2": 2}
 LEVELS = tuple(LOCALITY)
@@ -49,15 +50,8 @@ def main() -> None:
                 flat = [w for ws in grouped for w in ws] + xs
                 fn(*flat)                                  # compiled here, at this level
                 calls[(f"{M} rows", level)] = lambda fn=fn, flat=flat: fn(*flat)
-            if args.steps:
-                import specfx
-
-                ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
-                for spec in args.steps.split(","):
-                    fast = specfx.compile(model, draft=spec, max_seq_len=max(256, args.span + 64))
-                    fast.generate(ids, max_new_tokens=64)
-                    fast.runtime.state.set_span(args.span)
-                    calls[(f"step {spec}", level)] = fast.runtime._step
+            for spec in filter(None, args.steps.split(",")):
+                calls[(f"step {spec}", level)] = at_span(model, tok, spec, args.span).runtime._step
     tiled_linear.AHEAD_LOCALITY = default
     print(f"{machine()}; L1 data cache {tiled_linear.l1_data_cache()} bytes a core (default: "
           f"{'l1' if default == 3 else 'l2'}); ms, median of {args.rounds} rounds, "

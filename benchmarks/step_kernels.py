@@ -19,9 +19,9 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
-import specfx
 from specfx import zoo
 from specfx.matmul_choice import round_robin
+from timing import at_span
 
 
 def main() -> None:
@@ -33,14 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     model, tok = zoo.load("pycoder")
-    ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
     drafts = args.drafts.split(",")
-    runtimes = {}
-    for d in drafts:
-        fast = specfx.compile(model, draft=d, max_seq_len=max(256, args.span + 64))
-        fast.generate(ids, max_new_tokens=64)
-        fast.runtime.state.set_span(args.span)
-        runtimes[d] = fast.runtime
+    runtimes = {d: at_span(model, tok, d, args.span).runtime for d in drafts}
     steps = round_robin({d: rt._step for d, rt in runtimes.items()}, 100)
     print("fused step, us (round-robin, median of 100): " + "  ".join(f"{d} {s * 1e6:.0f}" for d, s in steps.items()))
     events: dict[tuple[str, str], list[float]] = {}
