@@ -17,7 +17,7 @@ import torch
 
 from specfx import matmul_choice, pipeline, zoo
 from specfx.matmul_choice import machine
-from timing import at_span, timed_rounds
+from timing import at_span, round_args, timed_rounds
 
 WAYS = ("settled", "chains")
 
@@ -33,9 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafts", default="mtp:pycoder-mtp:tree=1x1x1,mtp,early-exit")
     ap.add_argument("--span", type=int, default=192, help="cache slots a step reads")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
+    round_args(ap)
     args = ap.parse_args()
     os.environ.pop(matmul_choice.ENV, None)             # the measured plan
     model, tok = zoo.load("pycoder")

@@ -22,7 +22,7 @@ from specfx.kernels import tiled_linear
 from specfx.matmul_choice import machine
 from specfx.passes.skinny_matmul import MATERIALIZE
 from specfx.runtime.compile import compile_graph
-from timing import timed_rounds
+from timing import round_args, timed_rounds
 
 
 def chain(groups: list[list[torch.Tensor]]) -> fx.GraphModule:
@@ -65,9 +65,7 @@ def weight_groups(model) -> tuple[list[list[torch.Tensor]], list[list[torch.Tens
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
+    round_args(ap)
     args = ap.parse_args()
     model, _ = zoo.load("pycoder")
     one, grouped = weight_groups(model)

@@ -20,7 +20,7 @@ from specfx import zoo
 from specfx.kernels import tiled_linear
 from specfx.matmul_choice import machine
 from specfx.runtime.compile import compile_graph
-from timing import at_span, timed_rounds
+from timing import at_span, round_args, timed_rounds
 
 LOCALITY = {"l1": 3, "l2": 2}
 LEVELS = tuple(LOCALITY)
@@ -31,9 +31,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--steps", default="", help="drafter specs whose fused steps to time too (comma-separated)")
     ap.add_argument("--span", type=int, default=192, help="cache slots a step reads (--steps)")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
+    round_args(ap)
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
     _, grouped = weight_groups(model)

@@ -1,12 +1,19 @@
 """What the benchmarks that time kernels and fused steps side by side share: repeated round-robin
-timings printed a repeat a line (`timed_rounds`), and a drafter's compiled pycoder with its state
-at a fixed attention span (`at_span`)."""
+timings printed a repeat a line (`timed_rounds`, its options `round_args`), and a drafter's
+compiled pycoder with its state at a fixed attention span (`at_span`)."""
 
 from __future__ import annotations
 
 import specfx
 from specfx import zoo
 from specfx.matmul_choice import round_robin
+
+
+def round_args(ap) -> None:
+    """The options `timed_rounds` takes (`--rounds`, `--repeats`), and `--json` for its runs."""
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
 
 
 def timed_rounds(calls: dict, rounds: int, repeats: int, label) -> list[dict]:
