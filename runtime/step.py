@@ -21,8 +21,10 @@ The drafters (each declares the KV groups its graphs read, see `runtime.state.KV
 - `MTPDrafter`: k drafts from an MTP head fed by the target's final hidden states; after
   verification the head's refill over the verified positions. `MTPPrefill` fills the head's KV
   during prefill.
-The last two also draft spine trees (`Tree.spine`: their top candidates at each depth); the
-step then moves the accepted path's KV into place (`move_path_kv`) and they refill along it.
+These two, and early exit on stored weights, also draft spine trees (`Tree.spine`: their top
+candidates at each depth); the step then moves the accepted path's KV into place
+(`move_path_kv`), and the draft model and the head refill along it (early exit's verify pass
+has written the model's KV over every node of its layers).
 
 With `sample=True` (or the name of a `warp` variant, see `sampling.filters_for`) a step
 samples instead of taking the argmax: drafts are drawn from the drafter's warped distribution
@@ -144,29 +146,32 @@ class NoDrafter(Drafter):
 
 
 class EarlyExitDrafter(Drafter):
-    """k drafts from the first E layers and the head attached there (KV group "early").
+    """k early-exit drafts from the first E layers and the head attached there (KV group
+    "early"), or a spine tree's candidates, one pass per depth along the spine.
 
     `reuse`: the drafts ran the model's own weights, so their KV and exit hidden states are the
     model's; one more pass computes draft k's, and the verify graph runs layers >= E (group
-    "late") over the exit hidden states. Otherwise (a stored copy of the weights) k passes, and
-    the verify graph runs every layer over the drafts' tokens, writing the model's KV over the
-    drafts' in group "early"."""
+    "late") over the exit hidden states (a chain only: a tree's siblings have none). Otherwise
+    (a stored copy of the weights) a pass per depth, and the verify graph runs every layer over
+    the drafts' tokens, writing the model's KV over the drafts' in group "early"."""
 
-    def __init__(self, draft: fx.GraphModule, k: int, reuse: bool = True):
+    def __init__(self, draft: fx.GraphModule, tree: Tree, reuse: bool = True):
         super().__init__()
-        self.draft, self.tree, self.reuse = draft, Tree.chain(k), reuse
+        if reuse and not tree.is_chain:
+            raise ValueError(f"an early exit on the model's own weights drafts chains, not {tree}")
+        self.draft, self.tree, self.branching, self.reuse = draft, tree, _spine(tree), reuse
         self.verify_kv = ("late",) if reuse else ("early", "late")
 
     def propose(self, s: StepInputs) -> Proposal:
-        k, x = self.tree.size, s.pending
+        D, x = len(self.branching), s.pending
         hidden, drafts, qs = [], [], []
-        for j in range(k + 1 if self.reuse else k):
+        for j in range(D + 1 if self.reuse else D):
             pos = (s.last + j).clamp(max=s.max_pos)[:, None]          # [B, 1]
             out = self.draft(x, pos, s.span, *s.group("early"))
             hidden.append(out[1])                                     # [B, 1, H]
-            if j < k:
-                x, q = propose(out[0][:, -1], s.sample, s.noise[:, j], s.warping)   # [B, 1], [B, V]
-                drafts.append(x)
+            if j < D:
+                x, cand, q = candidates(out[0][:, -1], self.branching[j], s.sample, s.noise[:, j], s.warping)
+                drafts.append(cand)
                 qs.append(q)
         return Proposal(torch.cat(drafts, 1), torch.stack(qs, 1) if s.sample else None,
                         torch.cat(hidden, 1) if self.reuse else None)

@@ -112,7 +112,7 @@ METHODS = {
     "hf-assisted": "draft checkpoint (default: pycoder-draft)",
     "hf-prompt-lookup": "prompt_lookup_num_tokens (default: k)",
     "specfx:none": None,
-    "specfx:early-exit": "exit layer (default: the model's), then :weights=int8|bfloat16|target if wanted",
+    "specfx:early-exit": "exit layer (default: the model's), then :tree=3x2x2 and :weights=int8|bfloat16|target if wanted",
     "specfx:draft-model": "draft checkpoint (default: pycoder-draft)",
     "specfx:ngram": "n-gram size (default: 3)",
     "specfx:mtp": "head checkpoint (default: the model's, e.g. pycoder-mtp)",
@@ -135,13 +135,13 @@ def parse_method(method: str, default_exit: int, k: int) -> tuple[str, str | Non
         raise ValueError(f"unknown method {method!r}; expected one of: "
                          + ", ".join(m + (f"[:{METHODS[m].split(' (')[0].replace(' ', '_')}]" if METHODS[m] else "")
                                      for m in METHODS))
-    if base == "specfx:early-exit" and arg.startswith("weights="):      # specfx:early-exit:weights=target
+    if base == "specfx:early-exit" and arg.startswith(("tree=", "weights=")):   # specfx:early-exit:tree=3x2x2
         arg = f"{default_exit}:{arg}"
     if not arg and METHODS[base]:
         arg = {"hf-early-exit": str(default_exit), "specfx:early-exit": str(default_exit),
                "hf-assisted": DEFAULT_DRAFT, "specfx:draft-model": DEFAULT_DRAFT,
                "hf-prompt-lookup": str(k), "specfx:ngram": "3", "specfx:mtp": ""}[base]
-    number = arg.partition(":weights=")[0] if base == "specfx:early-exit" else arg
+    number = arg.partition(":")[0] if base == "specfx:early-exit" else arg
     if base in ("hf-early-exit", "specfx:early-exit", "hf-prompt-lookup", "specfx:ngram") and not number.isdigit():
         raise ValueError(f"method {method!r}: expected a number after ':'")
     return base, arg or None

@@ -3,7 +3,8 @@
 `parse_draft("early-exit:4")` -> `EarlyExit(layer=4)` (`"early-exit:4:weights=target"`: drafting on the
 model's own weights); `"ngram:3"` -> `PromptLookup(ngram=3)`;
 `"draft-model:pycoder-draft"` -> `DraftModel("pycoder-draft")`; `"mtp:pycoder-mtp"` -> `MTPHead("pycoder-mtp")`;
-`"mtp:pycoder-mtp:tree=4x2x2x1"` -> `MTPHead("pycoder-mtp", tree=(4, 2, 2, 1))` (a draft tree, also for a draft model);
+`"mtp:pycoder-mtp:tree=4x2x2x1"` -> `MTPHead("pycoder-mtp", tree=(4, 2, 2, 1))` (a draft tree, also for a draft model
+and an early exit on stored weights: `"early-exit:3:tree=2x2x1:weights=int8"`);
 `"none"` or None -> `NoDraft()`.
 The transform for each config lives in `specfx.pipeline`, registered by config type.
 """
@@ -41,19 +42,32 @@ class EarlyExit:
       few rows costs about one over a single row (the CPU's tiled kernel), so that drafting,
       not verifying, is what speculation pays for;
     - None: int8 where the tiled kernel drafts a float32 model, "target" elsewhere.
+
+    `tree` drafts a spine tree (`runtime.tree.Tree.spine`: the exit's top candidates at each
+    depth, one draft pass per depth along the top choices) instead of a chain. It needs a stored
+    copy ("int8" or "bfloat16"): on the model's own weights the verify pass continues from the
+    drafts' exit hidden states, and only the spine's drafts have one.
     """
 
     layer: int | None = None
     weights_dtype: str | None = None
+    tree: tuple[int, ...] | None = None    # candidates per depth of a spine tree (`runtime.tree.Tree.spine`)
     name = "early-exit"
 
     def __post_init__(self):
         if self.layer is not None and (not isinstance(self.layer, int) or self.layer < 1):
             raise ValueError(f"EarlyExit(layer={self.layer!r}): the exit layer must be an int >= 1")
         _check_weights(self)
+        _check_tree(self)
+        if self.tree is not None and self.weights_dtype == "target":
+            raise ValueError(f"EarlyExit(tree={self.tree!r}, weights_dtype='target'): an early exit drafts a tree "
+                             "from a stored copy of its layers (weights_dtype 'int8' or 'bfloat16'); on the "
+                             "model's own weights the verify pass continues from the drafts' exit hidden states, "
+                             "which only the tree's spine has")
 
     def __str__(self) -> str:
-        return ("early-exit" if self.layer is None else f"early-exit:{self.layer}") + _weights_suffix(self)
+        return (("early-exit" if self.layer is None else f"early-exit:{self.layer}") + _tree_suffix(self.tree)
+                + _weights_suffix(self))
 
     def draft_weights(self, target, tiled: bool):
         """The dtype the drafts' copy of the first layers and the head is stored in; None: the
@@ -269,10 +283,11 @@ def parse_draft(spec) -> DrafterConfig:
     if name == "none" and not arg:
         return NoDraft()
     if name == "early-exit":
-        arg, weights = _split_last(spec, arg, "weights=", "early-exit:3:weights=int8")
+        arg, weights = _split_last(spec, arg, "weights=", "early-exit:3:tree=2x2x1:weights=int8")
+        arg, tree = _split_tree(spec, arg)
         if arg and not arg.isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected early-exit:<layer>, e.g. early-exit:4")
-        return EarlyExit(layer=int(arg) if arg else None, weights_dtype=weights)
+        return EarlyExit(layer=int(arg) if arg else None, weights_dtype=weights, tree=tree)
     if name == "ngram":
         if arg and not arg.lstrip("-").isdigit():
             raise ValueError(f"bad draft spec {spec!r}: expected ngram:<n>, e.g. ngram:3")

@@ -341,6 +341,10 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     check_exit_layer(s, E)
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
     stored = ctx.drafter.draft_weights(ctx.model, ctx.tiled())
+    if stored is None and not ctx.tree.is_chain:
+        raise ValueError(f"{ctx.drafter}: an early exit drafts a tree from a stored copy of its layers only "
+                         "(weights_dtype 'int8' or 'bfloat16'); here the drafts would run the model's own weights, "
+                         "whose verify pass continues from exit hidden states that only the tree's spine has")
 
     def cut() -> list[Pass]:                          # the draft pass before the tail passes
         return [AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else [])]
@@ -357,10 +361,11 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
         verify = ctx.verify([CutAtExit(E)])
         parts = {"draft": Part(draft, ("early",), draft_calls=k + 1), "verify": Part(verify, ("late",))}
     else:
-        # The drafts ran a stored copy of the layers: the verify pass runs every layer.
+        # The drafts ran a stored copy of the layers: the verify pass runs every layer (over a
+        # tree's nodes, which the spine's draft passes wrote no KV for).
         verify = ctx.verify()
         parts = {"draft": Part(draft, ("early",), draft_calls=k), "verify": Part(verify, ("early", "late"))}
-    make = lambda: EarlyExitDrafter(draft, k, reuse=stored is None)  # noqa: E731
+    make = lambda: EarlyExitDrafter(draft, ctx.tree, reuse=stored is None)  # noqa: E731
     return Drafting(layout, parts, _spec_step(ctx, make, verify, layout),
                     [ctx.target_prefill(layout, "early", "late")])
 

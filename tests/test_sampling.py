@@ -211,9 +211,11 @@ def _exact_two_token_marginals(model, prompt, T, top_k=0, top_p=1.0):
 def _first_two_tv(model, draft, k, tmp_path, top_k: int = 0, top_p: float = 1.0,
                   tree: tuple[int, ...] | None = None) -> tuple[float, float]:
     """Total variation between the sampled distribution of the first two new tokens (4096 draws)
-    and their exact marginals under the model (`tree`: a draft model's or MTP head's spine tree)."""
+    and their exact marginals under the model (`tree`: a drafter's spine tree)."""
     if draft == "draft-model":
         draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=V_SMALL, seed=6), tree=tree)
+    if draft == "early-exit":                             # a stored copy of layer 0: it drafts trees too
+        draft = specfx.EarlyExit(1, weights_dtype="int8", tree=tree)
     if draft == "mtp":
         from specfx.mtp import new_head, save_head
 
@@ -250,7 +252,7 @@ def test_end_to_end_distribution_of_the_first_two_tokens(tmp_path, draft, k):
     assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
 
 
-@pytest.mark.parametrize("draft,tree", [("mtp", (3, 2)), ("draft-model", (2, 2))])
+@pytest.mark.parametrize("draft,tree", [("mtp", (3, 2)), ("draft-model", (2, 2)), ("early-exit", (2, 2))])
 def test_end_to_end_distribution_over_a_draft_tree(tmp_path, draft, tree):
     """Sampling over a spine tree (siblings drawn without replacement, recursive rejection)
     keeps the model's distribution of the first two new tokens."""

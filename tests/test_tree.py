@@ -1,7 +1,7 @@
 """Draft trees: the static shape (`runtime.tree.Tree`), tree acceptance, a verify pass over a tree
 with an explicit mask and slots against chains along each of its paths, and the tree drafters
-(a draft model, an MTP head) end to end: exact, accepting more than their chains, sync-free,
-exported and loaded."""
+(a draft model, an MTP head, early exit on stored weights) end to end: exact, accepting more
+than their chains, sync-free, exported and loaded."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 import specfx
 from helpers import ARCHS, assert_greedy_equal, hf_greedy, tiny_model
+from specfx.bench import parse_method
 from specfx.capture import StaticDecoder, kv_slots, position_mask
 from specfx.runtime.accept import greedy_accept
 from specfx.runtime.tree import Tree
@@ -150,6 +151,42 @@ def test_draft_model_tree_is_exact_and_accepts_more_than_its_chain(arch):
     assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
 
 
+def _quiet_tail(model, after: int):
+    """`model` with the layers from `after` on writing a fifth of what they did into the
+    residual stream: an exit at `after` agrees with the model often, not always."""
+    with torch.no_grad():
+        for layer in model.model.layers[after:]:
+            layer.self_attn.o_proj.weight.mul_(0.2)
+            layer.mlp.down_proj.weight.mul_(0.2)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_early_exit_tree_is_exact_and_accepts_more_than_its_chain(arch):
+    """Early exit on a stored copy of its layers drafts the exit's top candidates along the
+    spine; the verify pass runs every layer over every node, and the accepted path's KV moves
+    into place in both the early and the late layers. Exact, sync-free, and where the exit's top
+    choice is rejected a second-ranked one is accepted."""
+    from specfx.passes import find_host_syncs
+
+    model = _quiet_tail(tiny_model(arch, layers=3, vocab=32, seed=5), 1)
+    chain = specfx.compile(model, draft=specfx.EarlyExit(1, weights_dtype="int8"), num_speculative_tokens=3,
+                           max_seq_len=96, backend="eager")
+    tree = specfx.compile(model, draft="early-exit:1:tree=3x2x2:weights=int8", max_seq_len=96, backend="eager")
+    assert tree.num_speculative_tokens == 3 and tree.graphs.tree.size == 7
+    assert find_host_syncs(tree.graphs.step) == []
+    g = torch.Generator().manual_seed(2)
+    accepted = {"chain": [], "tree": []}
+    for prompt_len in (1, 7, 70):
+        ids = torch.randint(3, 32, (1, prompt_len), generator=g)
+        ref = hf_greedy(model, ids, 24, eos_token_id=None)
+        for name, fast in (("chain", chain), ("tree", tree)):
+            assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), ref, prompt_len)
+            accepted[name].append(fast.last_stats.mean_accepted)
+    chain_all = sum(accepted["chain"]) == 3 * 4                  # every draft accepted: nothing to gain
+    assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
+
+
 def test_mtp_tree_is_exact_on_batched_rows(tmp_path):
     """The MTP head drafts along the spine and refills along the accepted path; rows of
     different lengths in one batch."""
@@ -201,9 +238,21 @@ def test_tree_refusals(tmp_path):
     draft = specfx.DraftModel(tiny_model("llama", layers=1, vocab=32, seed=8), tree=(2, 2))
     with pytest.raises(ValueError, match="the tree sets the drafts per step"):
         specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=48, backend="eager")
-    for spec, message in (("mtp:tree=2x2:pycoder-mtp", "expected tree="), ("mtp:pycoder-mtptree=2", "tree goes last")):
+    for spec, message in (("mtp:tree=2x2:pycoder-mtp", "expected tree="), ("mtp:pycoder-mtptree=2", "tree goes last"),
+                          ("early-exit:tree=2x2:1", "expected tree="), ("early-exit:1tree=2", "tree goes last")):
         with pytest.raises(ValueError, match=message):
             specfx.parse_draft(spec)
+    # Early exit drafts a tree from stored weights only: the verify pass continues from the exit
+    # hidden states of a chain of drafts on the model's own.
+    spec = "early-exit:1:tree=2x2:weights=int8"
+    assert specfx.parse_draft(spec) == specfx.EarlyExit(1, weights_dtype="int8", tree=(2, 2))
+    assert str(specfx.parse_draft(spec)) == spec
+    assert parse_method("specfx:early-exit:tree=3x2x2", 3, 3) == ("specfx:early-exit", "3:tree=3x2x2")   # the bench's
+    with pytest.raises(ValueError, match="from a stored copy of its layers"):
+        specfx.EarlyExit(1, weights_dtype="target", tree=(2, 2))
+    with pytest.raises(ValueError, match="from a stored copy of its layers"):    # no tiled kernel: the model's weights
+        specfx.compile(model, draft=specfx.EarlyExit(1, tree=(2, 2)), max_seq_len=48, backend="eager",
+                       skinny_matmul=False)
 
 
 def test_draft_model_kv_holds_the_accepted_tokens_after_tree_steps():
