@@ -127,6 +127,21 @@ def _noisy_copy(model, scale: float, seed: int):
     return draft
 
 
+def _exact_and_more_than_the_chain(model, chain, tree) -> None:
+    """Greedy tokens of a chain of 3 and of a depth-3 tree equal the model's on three prompts,
+    and the tree accepts more a call (unless the chain accepted every draft)."""
+    g = torch.Generator().manual_seed(2)
+    accepted = {"chain": [], "tree": []}
+    for prompt_len in (1, 7, 70):
+        ids = torch.randint(3, 32, (1, prompt_len), generator=g)
+        ref = hf_greedy(model, ids, 24, eos_token_id=None)
+        for name, fast in (("chain", chain), ("tree", tree)):
+            assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), ref, prompt_len)
+            accepted[name].append(fast.last_stats.mean_accepted)
+    chain_all = sum(accepted["chain"]) == 3 * 4                  # every draft accepted: nothing to gain
+    assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_draft_model_tree_is_exact_and_accepts_more_than_its_chain(arch):
     """A draft that is often right but not always: where its top choice is rejected, a
@@ -139,16 +154,7 @@ def test_draft_model_tree_is_exact_and_accepts_more_than_its_chain(arch):
                            backend="eager")
     tree = specfx.compile(model, draft=specfx.DraftModel(draft, tree=(3, 2, 2)), max_seq_len=96, backend="eager")
     assert tree.num_speculative_tokens == 3 and tree.graphs.tree.size == 7
-    g = torch.Generator().manual_seed(2)
-    accepted = {"chain": [], "tree": []}
-    for prompt_len in (1, 7, 70):
-        ids = torch.randint(3, 32, (1, prompt_len), generator=g)
-        ref = hf_greedy(model, ids, 24, eos_token_id=None)
-        for name, fast in (("chain", chain), ("tree", tree)):
-            assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), ref, prompt_len)
-            accepted[name].append(fast.last_stats.mean_accepted)
-    chain_all = sum(accepted["chain"]) == 3 * 4                  # every draft accepted: nothing to gain
-    assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
+    _exact_and_more_than_the_chain(model, chain, tree)
 
 
 def _quiet_tail(model, after: int):
@@ -175,16 +181,7 @@ def test_early_exit_tree_is_exact_and_accepts_more_than_its_chain(arch):
     tree = specfx.compile(model, draft="early-exit:1:tree=3x2x2:weights=int8", max_seq_len=96, backend="eager")
     assert tree.num_speculative_tokens == 3 and tree.graphs.tree.size == 7
     assert find_host_syncs(tree.graphs.step) == []
-    g = torch.Generator().manual_seed(2)
-    accepted = {"chain": [], "tree": []}
-    for prompt_len in (1, 7, 70):
-        ids = torch.randint(3, 32, (1, prompt_len), generator=g)
-        ref = hf_greedy(model, ids, 24, eos_token_id=None)
-        for name, fast in (("chain", chain), ("tree", tree)):
-            assert_greedy_equal(model, fast.generate(ids, max_new_tokens=24, eos_token_id=[]), ref, prompt_len)
-            accepted[name].append(fast.last_stats.mean_accepted)
-    chain_all = sum(accepted["chain"]) == 3 * 4                  # every draft accepted: nothing to gain
-    assert sum(accepted["tree"]) > sum(accepted["chain"]) > 3 or chain_all, accepted
+    _exact_and_more_than_the_chain(model, chain, tree)
 
 
 def test_mtp_tree_is_exact_on_batched_rows(tmp_path):
