@@ -25,6 +25,11 @@ class NoDraft:
         return "none"
 
 
+EARLY_EXIT_TREE = ("an early exit drafts a tree from a stored copy of its layers only (weights_dtype 'int8' or "
+                   "'bfloat16'): on the model's own weights the verify pass continues from the drafts' exit "
+                   "hidden states, which only the tree's spine has")
+
+
 @dataclass(frozen=True)
 class EarlyExit:
     """Self-speculation: draft with the first `layer` layers of the model and its head.
@@ -60,10 +65,7 @@ class EarlyExit:
         _check_weights(self)
         _check_tree(self)
         if self.tree is not None and self.weights_dtype == "target":
-            raise ValueError(f"EarlyExit(tree={self.tree!r}, weights_dtype='target'): an early exit drafts a tree "
-                             "from a stored copy of its layers (weights_dtype 'int8' or 'bfloat16'); on the "
-                             "model's own weights the verify pass continues from the drafts' exit hidden states, "
-                             "which only the tree's spine has")
+            raise ValueError(f"EarlyExit(tree={self.tree!r}, weights_dtype='target'): {EARLY_EXIT_TREE}")
 
     def __str__(self) -> str:
         return (("early-exit" if self.layer is None else f"early-exit:{self.layer}") + _tree_suffix(self.tree)

@@ -17,8 +17,8 @@ from torch import fx, nn
 
 from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
                             static_positions)
-from specfx.drafters import (DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup, check_same_tokenizer,
-                             default_exit_layer)
+from specfx.drafters import (EARLY_EXIT_TREE, DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup,
+                             check_same_tokenizer, default_exit_layer)
 from specfx.passes import (AttachEarlyExit, CheckNoHostSync, CutAtExit, DropHead, ExposeHidden, FindStructure,
                            InlineGraphCalls, Pass, PassError, PassManager, ShareKVBuffers, ShareRotary, SkinnyMatmul,
                            StoreDraftWeights, StructureError, StructureMap, TreeAttention, TruncateAtExit,
@@ -342,9 +342,7 @@ def _build_early_exit(ctx: BuildContext) -> Drafting:
     layout = KVLayout((("early", 2 * E), ("late", 2 * (s.num_layers - E))))
     stored = ctx.drafter.draft_weights(ctx.model, ctx.tiled())
     if stored is None and not ctx.tree.is_chain:
-        raise ValueError(f"{ctx.drafter}: an early exit drafts a tree from a stored copy of its layers only "
-                         "(weights_dtype 'int8' or 'bfloat16'); here the drafts would run the model's own weights, "
-                         "whose verify pass continues from exit hidden states that only the tree's spine has")
+        raise ValueError(f"{ctx.drafter} (here on the model's own weights): {EARLY_EXIT_TREE}")
 
     def cut() -> list[Pass]:                          # the draft pass before the tail passes
         return [AttachEarlyExit(E), TruncateAtExit(E), *([StoreDraftWeights(stored)] if stored else [])]
