@@ -195,7 +195,8 @@ def test_the_roofline_stream_sums_what_torch_sums():
 def test_linears_of_one_input_equal_each_linear_to_the_bit(dtype):
     """`tiled_linears` (a layer's q, k and v as one kernel) gives each weight's columns exactly
     what `tiled_linear` gives it alone, over every tile shape and weights with a partial block
-    (N = 37, 21) and a partial vector (K = 24), with its rows symbolic, as in a prefill."""
+    (N = 37, 21) and a partial vector (K = 24), with its rows symbolic, as in a prefill; against
+    int8 weights, what `quantized_reference` gives the rows stacked."""
     V = tiled_linear.VERSION
     ws = [tiled_linear.store_rows(torch.randn(n, 24), dtype)[0] for n in (40, 37, 21)]
     one = compile_graph(fx.symbolic_trace(lambda x, a, b, c: [torch.ops.specfx.tiled_linear(x, w, V) for w in (a, b, c)]),
@@ -207,4 +208,6 @@ def test_linears_of_one_input_equal_each_linear_to_the_bit(dtype):
         out = group(x, *ws)
         assert out.shape == (M, 98)
         assert torch.equal(out, torch.cat(one(x, *ws), -1))
+        if dtype == torch.int8:                         # every weight's rows past its whole tiles too
+            assert torch.equal(out, tiled_linear.quantized_reference(x, torch.cat(ws)))
     torch.testing.assert_close(torch.ops.specfx.tiled_linears(x, ws, V), out, rtol=1e-5, atol=1e-4)   # eager

@@ -476,12 +476,18 @@ static inline int32_t dot_i8(const int8_t* w, const int8_t* q, const int8_t* a, 
 // than two rows q + 128 against the weight as it lies in memory (`dot_u8_tile`): the head's fc,
 // q/k/v, o, gate/up and down as 5 kernels in one graph, in cache, the two headers' graphs
 // round-robin in one process: 1 row 20.5-20.6 -> 19.5-19.7 us, 2 rows 27.4-27.7 -> 25.9-26.1,
-// 4 rows 41.5-42.4 -> 36.0-36.1, 6 rows (a tree's refill) 56.0-57.9 -> 45.3-45.5.)
+// 4 rows 41.5-42.4 -> 36.0-36.1, 6 rows (a tree's refill) 56.0-57.9 -> 45.3-45.5. Then a task's V
+// rows taken from one weight, K bytes apart from one pointer, with the kernel inlined into its
+// call, where K is a literal, and the V sums scaled as one vector: the head's 6 kernels with its
+// lm_head, `benchmarks/kernels/int8_head.cpp` against the previous header, the same bits, two
+// threads: 1 row 51.73 -> 42.83 us, 4 rows 138.25 -> 109.92, 6 rows 185.95 -> 146.85; one
+// thread, 1 row 70.88 -> 59.59. Where a weight's rows are not a whole number of tiles, its last
+// ones go one at a time.)
 #if defined(__AVX512BW__)
-// The integer sums w_j . q over K for V columns j at once (w_j: V pointers to int8 rows, q one
-// quantized query row, a = |q|), each column's in an accumulator of its own, then reduced across
-// lanes together (`reduce`): lane j of the result holds column j's sum. A step of 64 products a
-// column is one masked negation (w where q >= 0, -w where q < 0: the sign mask is q's, shared by
+// The integer sums w_j . q over K for V columns j at once (w_j: V rows of one weight, K bytes
+// apart from w; q one quantized query row, a = |q|), each column's in an accumulator of its own,
+// then reduced across lanes together (`reduce`): lane j of the result holds column j's sum. A
+// step of 64 products a column is one masked negation (w where q >= 0, -w where q < 0: the sign mask is q's, shared by
 // the V columns) and the products of |q| (unsigned) with it: `vpmaddubsw` (pairs into 16 bits,
 // which cannot overflow at magnitudes of at most 127), `vpmaddwd` (into 32-bit lanes) and an add;
 // with AVX512-VNNI one `vpdpbusd` (four products into each 32-bit lane, added to it, never
@@ -497,7 +503,8 @@ static inline __m512i madd_i8(__m512i acc, __m512i a, __m512i signed_w) {
 #endif
 }
 
-static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int8_t* a, int K) {
+static inline __attribute__((always_inline)) vi dot_i8_tile(const int8_t* w, const int8_t* q, const int8_t* a,
+                                                           int K) {
   __m512i acc[V];
 #pragma GCC unroll 16
   for (int j = 0; j < V; j++) acc[j] = _mm512_setzero_si512();
@@ -507,9 +514,10 @@ static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int
     const __m512i av = _mm512_loadu_si512(a + k);
     const __mmask64 neg = _mm512_movepi8_mask(_mm512_loadu_si512(q + k));
 #pragma GCC unroll 16
-    for (int j = 0; j < V; j++)
-      acc[j] = madd_i8(acc[j], av, _mm512_mask_sub_epi8(_mm512_loadu_si512(wj[j] + k), neg, zero,
-                                                        _mm512_loadu_si512(wj[j] + k)));
+    for (int j = 0; j < V; j++) {
+      const __m512i wv = _mm512_loadu_si512(w + (std::size_t)j * K + k);
+      acc[j] = madd_i8(acc[j], av, _mm512_mask_sub_epi8(wv, neg, zero, wv));
+    }
   }
   if (k < K) {                                      // the last bytes, the rest of the vector zero
     const __mmask64 live = ~0ULL >> (64 - (K - k));
@@ -517,7 +525,7 @@ static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int
     const __mmask64 neg = _mm512_movepi8_mask(_mm512_maskz_loadu_epi8(live, q + k));
 #pragma GCC unroll 16
     for (int j = 0; j < V; j++) {
-      const __m512i wv = _mm512_maskz_loadu_epi8(live, wj[j] + k);
+      const __m512i wv = _mm512_maskz_loadu_epi8(live, w + (std::size_t)j * K + k);
       acc[j] = madd_i8(acc[j], av, _mm512_mask_sub_epi8(wv, neg, zero, wv));
     }
   }
@@ -535,7 +543,7 @@ static inline vi dot_i8_tile(const int8_t* const* wj, const int8_t* q, const int
 // (see `linears`) b is q + 128 and the sum less 128 times the column's sum (b = 128 once per
 // tile) is the sum over q, exactly: |sum| <= 255 * 127 * K fits 32 bits.
 template <typename B>
-static inline vi dot_u8_tile(const int8_t* const* wj, int K, B b) {
+static inline __attribute__((always_inline)) vi dot_u8_tile(const int8_t* w, int K, B b) {
   __m512i acc[V];
 #pragma GCC unroll 16
   for (int j = 0; j < V; j++) acc[j] = _mm512_setzero_si512();
@@ -543,13 +551,14 @@ static inline vi dot_u8_tile(const int8_t* const* wj, int K, B b) {
   for (; k + 64 <= K; k += 64) {
     const __m512i bv = b(k, ~0ULL);
 #pragma GCC unroll 16
-    for (int j = 0; j < V; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_loadu_si512(wj[j] + k));
+    for (int j = 0; j < V; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_loadu_si512(w + (std::size_t)j * K + k));
   }
   if (k < K) {                                      // the last bytes: the weight's past K read as zeros
     const __mmask64 live = ~0ULL >> (64 - (K - k));
     const __m512i bv = b(k, live);
 #pragma GCC unroll 16
-    for (int j = 0; j < V; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_maskz_loadu_epi8(live, wj[j] + k));
+    for (int j = 0; j < V; j++)
+      acc[j] = _mm512_dpbusd_epi32(acc[j], bv, _mm512_maskz_loadu_epi8(live, w + (std::size_t)j * K + k));
   }
   vi sums[V];
 #pragma GCC unroll 16
@@ -558,66 +567,74 @@ static inline vi dot_u8_tile(const int8_t* const* wj, int K, B b) {
 }
 #endif
 
+// y[j] = float(sums[j]) * s for the V lanes (as the scalar conversion and product round them).
+static inline void store_scaled(float* y, vi sums, float s) {
+  const vf f = __builtin_convertvector(sums, vf) * s;
+  __builtin_memcpy(y, &f, sizeof f);
+}
+
 template <int G>
-static void linears(long M, const float* x, const int8_t* const* w, const long* n, float* y, int K, int threads) {
+static inline __attribute__((always_inline)) void linears(long M, const float* x, const int8_t* const* w,
+                                                          const long* n, float* y, int K, int threads) {
   static thread_local QuantizedRows rows;          // kept: a step calls this for every linear
   quantize_rows(x, M, K, rows);
   const int8_t* q = rows.q.data();
   const int8_t* a = rows.a.data();
   const float* s = rows.s.data();
-  long col[G + 1] = {0};                            // each weight's first column
+  long col[G + 1] = {0}, first[G + 1] = {0};       // each weight's first column, and its first tile
   for (int g = 0; g < G; g++) col[g + 1] = col[g] + n[g];
   const long N = col[G];
-  auto column = [&](long c) {                       // column c's weight row
-    int g = 0;
-    while (c >= col[g + 1]) g++;
-    return w[g] + (std::size_t)(c - col[g]) * K;
-  };
-  long c0 = 0;                                      // the first column left to the loop below
 #if defined(__AVX512BW__)
-  // V columns a task (a tile may run across two weights), each query row's V sums reduced together.
-  const long tiles = N / V;
+  for (int g = 0; g < G; g++) first[g + 1] = first[g] + n[g] / V;
+  // V rows of one weight a task, K bytes apart, each query row's V sums reduced together.
+  const long tiles = first[G];
 #pragma omp parallel for num_threads(threads) schedule(static) if (tiles >= 2 * threads)
   for (long t = 0; t < tiles; t++) {
-    const int8_t* wj[V];
-    for (int j = 0; j < V; j++) wj[j] = column(t * V + j);
+    int g = 0;
+    while (t >= first[g + 1]) g++;
+    const int8_t* wt = w[g] + (std::size_t)(t - first[g]) * V * K;
+    float* yt = y + col[g] + (t - first[g]) * V;
 #if defined(__AVX512VNNI__)
     if (M > 2) {                                    // q + 128 against w, less 128 times w's sums
       const __m512i flip = _mm512_set1_epi8((char)0x80);
-      const vi shift = dot_u8_tile(wj, K, [&](int, __mmask64 live) { return _mm512_maskz_mov_epi8(live, flip); });
+      const vi shift = dot_u8_tile(wt, K, [&](int, __mmask64 live) { return _mm512_maskz_mov_epi8(live, flip); });
       for (long m = 0; m < M; m++) {
         const int8_t* qm = q + (std::size_t)m * K;
-        const vi sums = dot_u8_tile(wj, K, [&](int k, __mmask64 live) {
+        const vi sums = dot_u8_tile(wt, K, [&](int k, __mmask64 live) {
           return _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, qm + k), flip); }) - shift;
-        float* ym = y + (std::size_t)m * N + t * V;
-        for (int j = 0; j < V; j++) ym[j] = (float)sums[j] * s[m];
+        store_scaled(yt + (std::size_t)m * N, sums, s[m]);
       }
       continue;
     }
 #endif
     for (long m = 0; m < M; m++) {
-      const vi sums = dot_i8_tile(wj, q + (std::size_t)m * K, a + (std::size_t)m * K, K);
-      float* ym = y + (std::size_t)m * N + t * V;
-      for (int j = 0; j < V; j++) ym[j] = (float)sums[j] * s[m];
+      const vi sums = dot_i8_tile(wt, q + (std::size_t)m * K, a + (std::size_t)m * K, K);
+      store_scaled(yt + (std::size_t)m * N, sums, s[m]);
     }
   }
-  c0 = tiles * V;
 #endif
-#pragma omp parallel for num_threads(threads) schedule(static) if (N - c0 >= 2 * threads * V)
-  for (long c = c0; c < N; c++) {
-    const int8_t* wc = column(c);
+  // The rows past each weight's last whole tile (every row without AVX-512), one at a time.
+  const long left = N - first[G] * V;
+#pragma omp parallel for num_threads(threads) schedule(static) if (left >= 2 * threads * V)
+  for (long i = 0; i < left; i++) {
+    int g = 0;
+    long c = i;                                     // the i-th such row: weight g's row r
+    while (c >= n[g] - (first[g + 1] - first[g]) * V) c -= n[g] - (first[g + 1] - first[g]) * V, g++;
+    const long r = (first[g + 1] - first[g]) * V + c;
+    const int8_t* wc = w[g] + (std::size_t)r * K;
     for (long m = 0; m < M; m++)
-      y[(std::size_t)m * N + c] = (float)dot_i8(wc, q + (std::size_t)m * K, a + (std::size_t)m * K, K) * s[m];
+      y[(std::size_t)m * N + col[g] + r] = (float)dot_i8(wc, q + (std::size_t)m * K, a + (std::size_t)m * K, K) * s[m];
   }
 }
 
-static void linear_q8(long M, const float* x, const int8_t* w, float* y, long N, int K, int threads) {
+static inline __attribute__((always_inline)) void linear_q8(long M, const float* x, const int8_t* w, float* y, long N,
+                                                            int K, int threads) {
   linears<1>(M, x, &w, &N, y, K, threads);
 }
 
 // `linear` (below) over int8 weights, batch by batch through `linear_q8`.
-static void linear(long M, const float* x, const int8_t* w, float* y, int batches, long N, int K, long wb,
-                   int threads) {
+static inline __attribute__((always_inline)) void linear(long M, const float* x, const int8_t* w, float* y,
+                                                         int batches, long N, int K, long wb, int threads) {
   for (int b = 0; b < batches; b++)
     linear_q8(M, x + (std::size_t)b * M * K, w + b * wb, y + (std::size_t)b * M * N, N, K, threads);
 }
