@@ -138,7 +138,8 @@ class MatmulPlan:
                 took += f" (the reduction's not under {SETTLE_MARGIN:.0%} of the tiled kernel's)"
         return Choice(best, f"M={M}: {t['linears']} linears took {took}: {SHOWN[best]}")
 
-    def settle(self, M: int, run: Callable[[str], Callable[[], object]], index: int = 0, calls: int = 1) -> None:
+    def settle(self, M: int, run: Callable[[str], Callable[[], object]], index: int = 0, calls: int = 1,
+               warm: bool = False) -> None:
         """Choose between the tiled kernel and the reduction for the linears of weight set
         `index` at M rows, where the chains chose the tiled kernel, by timing a graph of those
         linears at M rows compiled under each, round-robin: `run(kernel)` is a call of it with
@@ -146,7 +147,9 @@ class MatmulPlan:
         1 < M <= MAX_ROWS rows, where the chains leave the reduction out (see `forms`); a draft's
         set in its one-row draft pass, where they time it but not what it fuses with, as a step
         runs it: `calls` passes in a row (a step's drafts), after the model's weights have
-        streamed through the caches (a step's verify pass, untimed).
+        streamed through the caches (a step's verify pass, untimed), and with `warm` after one
+        more pass, untimed, which leaves the draft's weights in the cache (an MTP head's refill,
+        which reads them after the verify pass, before the next step's drafts).
 
         Only a whole graph shows what the reduction costs: there it fuses with the norms,
         residuals and rotary around it, and a layer's kernels merge, which the chains of lone
@@ -168,14 +171,22 @@ class MatmulPlan:
         if min(times, key=times.get) != "tiled":
             return
         what = _GRAPH[index == 0]
-        key = self._key(weights, M, rows, "verify graph" if index == 0 else f"draft graph x{calls}")
+        key = self._key(weights, M, rows, "verify graph" if index == 0 else
+                        f"draft graph x{calls}" + (" warm" if warm else ""))
         graph = _load().get(key)
         if graph is None:
             model = self.sets[0][0]
-            stream = None if index == 0 else (lambda: [w.sum() for w in model])   # noqa: E731
+
+            def before(kernel: str) -> None:       # a draft's: the verify's stream, then the refill's pass
+                for w in model:
+                    w.sum()
+                if warm:
+                    passes[kernel]()
+
             try:
-                timed = {k: _times(run(k), calls) for k in ("tiled", "reduce")}
-                ms = round_robin(timed, GRAPH_REPEATS, before=stream)
+                passes = {k: run(k) for k in ("tiled", "reduce")}
+                timed = {k: _times(fn, calls) for k, fn in passes.items()}
+                ms = round_robin(timed, GRAPH_REPEATS, before=None if index == 0 else before)
             except Exception as e:          # noqa: BLE001 - a timing, not the compile: the chains' choice stands
                 warnings.warn(f"{what} at {M} rows could not be timed under both kernels "
                               f"({type(e).__name__}: {e}); its linears stay on the tiled kernel")
@@ -296,7 +307,7 @@ def chains(weights: list[torch.Tensor], M: int, rows: torch.dtype | None = None)
     return out
 
 
-def round_robin(calls: dict, repeats: int, before: Callable[[], object] | None = None) -> dict:
+def round_robin(calls: dict, repeats: int, before: Callable[[str], object] | None = None) -> dict:
     """name -> median seconds of `calls[name]()`, timed in `repeats` rounds that each call every
     one once (after a round of warm-up), so that a drift in the machine's speed reaches each
     alike: timed one after another, a slow moment once decided a kernel choice, and a step
@@ -304,7 +315,7 @@ def round_robin(calls: dict, repeats: int, before: Callable[[], object] | None =
     order (seeded, so a run repeats): in a fixed order a call always follows the same other one,
     whose data it finds in the cache or has to evict (a step compiled twice on one state, the
     first copy called right after another model's step, timed 6% slower than the second).
-    `before`, where given, runs untimed before each call."""
+    `before(name)`, where given, runs untimed before each call."""
     times = {name: [] for name in calls}
     order, shuffle = list(calls), random.Random(0).shuffle
     with torch.no_grad():
@@ -313,7 +324,7 @@ def round_robin(calls: dict, repeats: int, before: Callable[[], object] | None =
             for name in order:
                 fn = calls[name]
                 if before is not None:
-                    before()
+                    before(name)
                 t = time.perf_counter()
                 fn()
                 if r:

@@ -181,16 +181,17 @@ def _verify_call(ctx: BuildContext, kernel: str) -> Callable[[], object]:
     return _settle_call(ctx, gm, ctx.target.kv)
 
 
-def _settle_draft(ctx: BuildContext, index: int | None, draft: Callable, kv: list, calls: int) -> None:
+def _settle_draft(ctx: BuildContext, index: int | None, draft: Callable, kv: list, calls: int,
+                  warm: bool = False) -> None:
     """With a measured plan on the CPU, the kernel of a draft's one-row linears (the plan's
     weight set `index`) timed in the draft's own one-row pass, `calls` in a row as a step runs
     them: `draft(plan)` is that graph with every linear under `plan`, reading the KV buffers
-    `kv` (`MatmulPlan.settle`)."""
+    `kv`; `warm`: a pass over the same weights precedes them in a step (`MatmulPlan.settle`)."""
     from specfx.matmul_choice import FixedPlan
 
     settle = getattr(ctx.matmul, "settle", None)
     if settle is not None and index is not None and ctx.tiled() and kv[0].device.type == "cpu":
-        settle(1, lambda kernel: _settle_call(ctx, draft(FixedPlan(kernel)), kv), index, max(1, calls))
+        settle(1, lambda kernel: _settle_call(ctx, draft(FixedPlan(kernel)), kv), index, max(1, calls), warm)
 
 
 def _settle_call(ctx: BuildContext, gm: fx.GraphModule, kv: list) -> Callable[[], object]:
@@ -419,7 +420,7 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
 
     attach = lambda: ExposeHidden(head_hidden_size=hidden_size, taps=taps)  # noqa: E731
     _settle_draft(ctx, head_set, lambda plan: cap(1, "settle", logits=True, matmul=plan), static.kv(),
-                  ctx.tree.depth - 1)
+                  ctx.tree.depth - 1, warm=True)        # the refill reads the head's weights before them
     draft, refill = cap(1, "draft", logits=True), cap(ctx.tree.depth + 1, "refill", logits=True, keep=True)
     verify = ctx.verify([attach()])
     target_prefill = pm.run(attach(), ctx.target.prefill, graph="prefill").graph_module

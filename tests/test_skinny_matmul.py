@@ -235,7 +235,8 @@ def test_the_verify_graph_settles_the_kernel_the_chains_cannot(tmp_path, monkeyp
 
 def test_a_drafts_one_row_kernel_is_settled_in_its_draft_pass(tmp_path, monkeypatch):
     """A draft's set at one row, where its chains chose the tiled kernel: its pass decides, timed
-    `calls` times in a row after the model's weights (untimed), once per machine and count."""
+    `calls` times in a row after the model's weights (untimed), once per machine and count; with
+    `warm`, after one more pass (untimed)."""
     monkeypatch.setenv("SPECFX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(matmul_choice, "_memory", {})
     monkeypatch.setattr(matmul_choice, "measure", lambda ws, M, rows: {"linears": 2, "tiled_ms": 1.0,
@@ -263,6 +264,18 @@ def test_a_drafts_one_row_kernel_is_settled_in_its_draft_pass(tmp_path, monkeypa
     assert len(streamed) == 2 * len(weights) * rounds                             # the model's weights before each
     assert plan(1, 8, 4, torch.float32).kernel == "tiled"         # the model's own set: not settled at one row
     plan.settle(1, lambda kernel: pytest.fail("the model's one row is not settled"))
+
+    # Warm (an MTP head's drafts, after its refill): one more pass before each timing, untimed,
+    # remembered apart from the cold timing.
+    warm = matmul_choice.MatmulPlan(weights)
+    head = warm.include([w.to(torch.int8) for w in weights], rows=torch.float32)
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "sum", lambda self, *a, **k: streamed.append(self.shape))
+        warm.settle(1, draft, head, calls=3, warm=True)
+    assert calls.count("tiled") == calls.count("reduce") == 4 * rounds
+    assert "the draft's pass at these rows took tiled 10000.00 ms, reduce 7000.00 ms" in warm(1, 8, 4, torch.int8).reason
+    assert len({k for k in matmul_choice._load() if "draft graph x3" in k}) == 2
 
 
 def test_build_settles_the_verify_width_on_the_verify_graph(tmp_path, monkeypatch):
