@@ -1,10 +1,10 @@
 // The int8 kernels over the linears of one pycoder MTP head pass (eh_proj, q/k/v and gate/up as
 // grouped kernels, o, down, the lm_head), two builds of `tiled_linear.h` side by side in one
-// process (say, this commit's and the one before it: `git show <rev>:specfx/kernels/tiled_linear.h`),
+// process (say, the current one and the one before c4882c6, which gave its rows one pointer each),
 // round-robin, median of 600 rounds of 5 passes each; checks that both give the same bits.
-//   H=specfx/kernels/tiled_linear.h; git show HEAD~1:$H > /tmp/before.h
-//   for v in a:/tmp/before.h b:$PWD/$H; do g++ -O3 -march=native -fopenmp -std=c++17 -c \
-//     -DHDR="\"${v#*:}\"" -DNS=ns_${v%%:*} -DFN=pass_${v%%:*} benchmarks/kernels/int8_head.cpp -o /tmp/${v%%:*}.o; done
+//   H=specfx/kernels/tiled_linear.h; git show c4882c6~1:$H > /tmp/before.h
+//   for v in a:/tmp/before.h b:$PWD/$H; do g++ -O3 -march=native -fopenmp -std=c++17 -c -DHDR="\"${v#*:}\""
+//     -DNS=ns_${v%%:*} -DFN=pass_${v%%:*} benchmarks/kernels/int8_head.cpp -o /tmp/${v%%:*}.o; done   (one line)
 //   g++ -O3 -march=native -fopenmp -DMAIN benchmarks/kernels/int8_head.cpp /tmp/a.o /tmp/b.o -o /tmp/int8_head
 //   /tmp/int8_head ROWS THREADS
 #include <cstdint>
