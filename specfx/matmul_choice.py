@@ -19,7 +19,7 @@ which the chains leave out there: the model's own verify pass at that width, com
 each (`MatmulPlan.settle`), since in a graph the reduction fuses with what surrounds it. A
 draft's weights (a head's, early exit's stored copies, a draft model's) are settled the same
 way at one row where their chains chose the tiled kernel: in the draft's one-row pass, timed
-as a step runs it, after the model's weights.
+as a step runs it, after the model's weights (a head's also after its refill's pass over its own).
 A row count is measured once per machine and weight set: results are kept in
 `$SPECFX_CACHE_DIR/matmul.json` (default `~/.cache/specfx`), keyed by CPU, threads, torch
 version, dtype, M, the weights' shapes and the kernels' versions.
