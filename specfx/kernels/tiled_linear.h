@@ -614,13 +614,14 @@ static inline __attribute__((always_inline)) void linears(long M, const float* x
   }
 #endif
   // The rows past each weight's last whole tile (every row without AVX-512), one at a time.
+  auto tiled = [&](int g) { return (first[g + 1] - first[g]) * V; };   // weight g's rows in tiles
   const long left = N - first[G] * V;
 #pragma omp parallel for num_threads(threads) schedule(static) if (left >= 2 * threads * V)
   for (long i = 0; i < left; i++) {
     int g = 0;
-    long c = i;                                     // the i-th such row: weight g's row r
-    while (c >= n[g] - (first[g + 1] - first[g]) * V) c -= n[g] - (first[g + 1] - first[g]) * V, g++;
-    const long r = (first[g + 1] - first[g]) * V + c;
+    long r = i;                                     // the i-th such row: weight g's row r
+    for (; r >= n[g] - tiled(g); g++) r -= n[g] - tiled(g);
+    r += tiled(g);
     const int8_t* wc = w[g] + (std::size_t)r * K;
     for (long m = 0; m < M; m++)
       y[(std::size_t)m * N + col[g] + r] = (float)dot_i8(wc, q + (std::size_t)m * K, a + (std::size_t)m * K, K) * s[m];
