@@ -20,6 +20,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from specfx.runtime.memory import huge_pages
+
 SPAN = {"span": (0,)}
 WIDTH = {"input_ids": (1,), "positions": (1,), "hidden": (1,)}
 # Inductor's C++ kernels with a multiply and an add fused into one FMA instruction. Inductor
@@ -72,6 +74,7 @@ class InductorGraph:
             return self.direct(flat)
         if self.fn is None:
             self.fn, self.direct = _inductor(flat_inputs(self.gm, args), flat, self.dynamic)
+            huge_pages([*self.gm.parameters(), *self.gm.buffers(), *flat])    # weights, KV, state (CPU)
         return self.fn(*flat)
 
 
