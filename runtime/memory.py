@@ -94,10 +94,11 @@ def huge_pages(tensors) -> int:
 
     A step streams the model's weights once, and with 4 KB pages it leaves speed on the table:
     every 4 KB a new page to translate, and the hardware prefetchers stop at page edges. On a
-    2-core AMD EPYC with AVX-512 (pycoder's fused steps round-robin in one process, the weights
-    switched between calls from a copy in 4 KB pages to the originals collapsed), the decode step went from 2.33-2.64 ms to 2.01-2.20,
-    the MTP chain's from 3.37-3.57 to 3.22-3.66 and the 2x2x1x1x1 tree's from 4.08-4.62 to
-    3.78-4.18."""
+    2-core AMD EPYC with AVX-512, `python benchmarks/huge_pages.py` (pycoder's fused steps
+    round-robin in one process, the weights switched between calls from their collapsed pages
+    to a copy in 4 KB pages) timed the decode step at 1.860-2.460 ms against 2.049-2.573, the
+    MTP chain's at 3.015-3.333 against 3.085-3.339 and the 2x2x1x1x1 tree's at 3.441-3.660
+    against 3.575-3.796."""
     if not sys.platform.startswith("linux") or os.environ.get(HUGE_PAGES_ENV) == "0":
         return 0
     libc = _libc()
