@@ -21,19 +21,15 @@ import torch
 
 from specfx import zoo
 from specfx.matmul_choice import machine, round_robin
-from specfx.runtime.memory import HUGE_PAGE
+from specfx.runtime.memory import HUGE_PAGE, MADV_NOHUGEPAGE, madvise
 from timing import at_span, round_args
-
-_MADV_NOHUGEPAGE = 15
 
 
 def small_pages_copy(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], mmap.mmap]:
     """Copies of `tensors`, one after another in an anonymous mapping kept in 4 KB pages."""
     sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
     area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), _MADV_NOHUGEPAGE)
+    madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), MADV_NOHUGEPAGE)
     flat = torch.frombuffer(area, dtype=torch.uint8)
     copies, offset = [], 0
     for t, size in zip(tensors, sizes):

@@ -4,6 +4,7 @@ CPU memory a step reads backed by 2 MB pages (`huge_pages`)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -81,7 +82,7 @@ def _fold_peak_into_open_regions() -> None:
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES_ENV = "SPECFX_HUGE_PAGES"        # "0": leave the pages as they are
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25     # Linux; MADV_COLLAPSE since 6.1
+MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_COLLAPSE = 14, 15, 25     # Linux; MADV_COLLAPSE since 6.1
 
 
 def huge_pages(tensors) -> int:
@@ -101,17 +102,24 @@ def huge_pages(tensors) -> int:
     against 3.575-3.796."""
     if not sys.platform.startswith("linux") or os.environ.get(HUGE_PAGES_ENV) == "0":
         return 0
-    libc = _libc()
     ranges = set()
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             continue
-        start = t.untyped_storage().data_ptr()
-        ranges.update(range(start // HUGE_PAGE * HUGE_PAGE, start + t.untyped_storage().nbytes(), HUGE_PAGE))
-    return sum(libc.madvise(r, HUGE_PAGE, _MADV_HUGEPAGE) == 0 and libc.madvise(r, HUGE_PAGE, _MADV_COLLAPSE) == 0
-               for r in sorted(ranges))
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        start = storage.data_ptr()
+        ranges.update(range(start // HUGE_PAGE * HUGE_PAGE, start + storage.nbytes(), HUGE_PAGE))
+    return sum(madvise(r, HUGE_PAGE, MADV_HUGEPAGE) and madvise(r, HUGE_PAGE, MADV_COLLAPSE) for r in sorted(ranges))
 
 
+def madvise(address: int, length: int, advice: int) -> bool:
+    """Linux `madvise(address, length, advice)`; whether it succeeded."""
+    return _libc().madvise(address, length, advice) == 0
+
+
+@functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

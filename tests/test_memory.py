@@ -51,9 +51,7 @@ def test_huge_pages_back_a_tensor_with_2mb_pages_in_place(monkeypatch):
     """`huge_pages` collapses the 2 MB ranges a tensor's storage covers, leaving its address and
     values; `$SPECFX_HUGE_PAGES=0` leaves them alone."""
     area = mmap.mmap(-1, 12 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)     # a mapping of its own
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), 15)   # MADV_NOHUGEPAGE: 4 KB
+    assert memory.madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), memory.MADV_NOHUGEPAGE)
     t = torch.frombuffer(area, dtype=torch.float32)
     t.copy_(torch.arange(3 << 20, dtype=torch.float32))
     ptr, before = t.data_ptr(), _huge_bytes(t)
