@@ -8,7 +8,9 @@
   draft model's own prefill and an MTP head's first pass (`prefill_drafts`) run only then, as
   the first token needs neither. Then the host reads
   at most every `sync_every` steps (done flags and lengths, and new tokens for the
-  streamer); near the end it reads sooner, so that no step runs once every row is done.
+  streamer); near the end it reads sooner, so that no step runs once every row is done. On
+  the CPU, where device memory is host memory, each step's attention span is chosen from the
+  lengths just before it (`cover`).
 - `Runtime.profile()` times the draft and verify graphs apart (compiled on their own).
 """
 
@@ -27,7 +29,7 @@ from specfx.runtime.sampling import filters_for
 from specfx.runtime.stats import GenerationStats, acceptance_stats
 from specfx.runtime.step import propose
 
-SPAN_ALIGN = 64      # attention spans are whole blocks of slots
+SPAN_ALIGN = 16      # attention spans are whole vectors of slots (AVX-512's 16 floats)
 
 
 def _sync(device: torch.device) -> None:
@@ -60,8 +62,9 @@ class Runtime:
         if cudagraphs is True and self.device.type != "cuda":
             raise ValueError("cudagraphs=True needs the model on a CUDA device")
         self.cudagraphs = self.device.type == "cuda" and cudagraphs is not False
-        # On the CPU attention reads only the slots that positions can reach (chosen here at
-        # each sync point); elsewhere the whole cache (a CUDA graph needs fixed shapes).
+        # On the CPU attention reads only the slots that the next step can reach (chosen before
+        # each step from the lengths, which are host memory there); elsewhere the whole cache (a
+        # CUDA graph needs fixed shapes).
         self.live_span = self.device.type == "cpu"
         self.prefill_fns = [(self._compile(p.gm, WIDTH), p.kv) for p in graphs.prefills]
         self.first_fn = self._compile(graphs.first)
@@ -122,6 +125,7 @@ class Runtime:
             for _, ids, pos in self._chunks(longest_prompt):
                 fn(ids, pos, st.span, *st.kv[kv])
         if self.prime_fn is not None:
+            self.cover(steps=1)                 # the first new token's slot, past the prompt's
             self.prime_fn(*st.step_args())
 
     def _chunks(self, longest_prompt: int):
@@ -136,15 +140,16 @@ class Runtime:
 
     def cover(self, positions: int | None = None, steps: int = 0) -> None:
         """Make attention span every position below `positions` (default: the longest row's
-        length) and those that `steps` more steps can reach (each advances a row by at most k+1
-        and writes the KV of its tree's N+1 rows ahead: k+1 for a chain)."""
+        length) and those that `steps` more steps can reach: the first writes the KV of its
+        tree's N+1 rows from the pending token's slot (length - 1) on (k+1 for a chain; a
+        drafter's own KV stays within them), and each step advances a row by at most k+1."""
         st, k, rows = self.state, self.graphs.k, self.graphs.tree.size + 1
         if not self.live_span:
             st.set_span(st.seq_len)
             return
         if positions is None:
             positions = int(st.lengths.max())
-        reach = positions + steps * (k + 1) + (rows if steps else 0)
+        reach = positions + ((steps - 1) * (k + 1) + rows - 1 if steps else 0)     # the last step's last slot + 1
         st.set_span(-(-reach // SPAN_ALIGN) * SPAN_ALIGN)
 
     @torch.no_grad()
@@ -226,8 +231,8 @@ class Runtime:
             # Each step emits >= 1 token per active row: max_new_tokens - 1 steps always suffice.
             while steps < max_new_tokens - 1 and left > 0:
                 n = min(self.sync_every, max_new_tokens - 1 - steps, left)
-                self.cover(max(self._lengths_host.tolist()), steps=n)
                 for _ in range(n):
+                    self.cover(steps=1)        # the CPU's lengths are host memory: no sync
                     step()
                 steps += n
                 if streamer is not None:

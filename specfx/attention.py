@@ -10,7 +10,7 @@ still cut to the window.
 
 Only the first `span.shape[0]` slots are read. `span` is a graph input whose length is the
 one dynamic size of a captured graph: the runtime passes a length that covers every position
-the next steps can reach (it knows the lengths at its sync points), so attention costs what the
+the next step can reach (on the CPU it reads the lengths before each step), so attention costs what the
 context costs, not what `max_seq_len` costs, with one compiled graph and no recompilation. On
 CUDA the runtime passes the whole cache, so the step keeps static shapes for CUDA graphs.
 

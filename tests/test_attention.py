@@ -99,25 +99,40 @@ def test_cpu_prefill_attention_takes_the_tiled_kernel(monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("draft", ["none", "early-exit:1", "mtp"])
+@pytest.mark.parametrize("draft", ["none", "early-exit:1", "mtp", "mtp-tree", "self", "self-tree"])
 def test_runtime_spans_cover_every_position(draft, tmp_path):
-    """The live span the runtime picks gives the tokens the whole cache gives, over prompts that
-    span several prefill chunks and generations that cross span blocks."""
+    """The live span the runtime picks before each step gives the tokens and the cache that the
+    whole cache gives, over prompts that span several prefill chunks and generations that cross
+    span blocks; a tree's step writes N+1 slots ahead. The model drafting for itself accepts
+    every draft of its spine, so that every row's attention reaches the step's last slot (a
+    random model's tokens barely depend on attention: its second layer's keys and values do)."""
+    from specfx.runtime.generate import SPAN_ALIGN
+
     model = tiny_model("qwen2", layers=2, seed=4)
-    if draft == "mtp":
+    if draft.startswith("self"):
+        draft = specfx.DraftModel(model, tree=(2, 2, 1) if draft == "self-tree" else None)
+    elif draft.startswith("mtp"):
         from specfx.mtp import new_head, save_head
 
-        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model))
-    fast = specfx.compile(model, draft=draft, num_speculative_tokens=3, max_seq_len=200, backend="eager",
+        tree = (2, 2, 1) if draft == "mtp-tree" else None
+        draft = specfx.MTPHead(save_head(new_head(model), tmp_path / "head", model), tree=tree)
+    k = None if getattr(draft, "tree", None) else 3
+    fast = specfx.compile(model, draft=draft, num_speculative_tokens=k, max_seq_len=200, backend="eager",
                           prefill_chunk=32)
     assert fast.runtime.live_span
-    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1))
-    live = fast.generate(ids, max_new_tokens=60, eos_token_id=[])
-    spans = fast.graphs.state.span.shape[0]
-    fast.runtime.live_span = False                                  # the whole cache every step
-    whole = fast.generate(ids, max_new_tokens=60, eos_token_id=[])
-    assert spans < fast.graphs.state.seq_len and spans % 64 == 0
-    assert torch.equal(live, whole)
+    ids = torch.randint(3, 96, (1, 73), generator=torch.Generator().manual_seed(1))
+    st = fast.graphs.state
+    for length in (70, 71, 72, 73):         # a step's last slot meets a span's end at one of them
+        fast.runtime.live_span = True
+        live = fast.generate(ids[:, :length], max_new_tokens=40, eos_token_id=[])
+        spans, written = st.span.shape[0], int(st.lengths.max()) - 1
+        kv = [t[:, :, :written].clone() for t in st.kv]
+        fast.runtime.live_span = False                              # the whole cache every step
+        whole = fast.generate(ids[:, :length], max_new_tokens=40, eos_token_id=[])
+        assert spans < st.seq_len and spans % SPAN_ALIGN == 0
+        assert torch.equal(live, whole), length
+        for a, b in zip(kv, st.kv):
+            torch.testing.assert_close(a, b[:, :, :written], atol=1e-4, rtol=1e-4)
 
 
 def test_sliding_window_stays_exact_past_the_window():
