@@ -6,10 +6,13 @@ over the same prompts (128 new tokens each), each prompt running every method in
 order, and prints each method's tokens per second per round, its ratio to the first method in
 the same round, and the medians; then where a call's time goes: time to first token, and the
 steps (milliseconds per step in the generate loop, tokens per step), each against the first
-method's.
+method's. With `--span S`, each drafter's fused step is then timed at an S-slot span two ways,
+repeated `--repeats` times: in a run of consecutive steps of its own (as the generate loop calls
+it) and round-robin with the other drafters' steps (as `specfx bench` times its parts), so that
+what a step gains from the cache its previous step left shows.
 
     python benchmarks/interleaved.py [--drafts mtp,mtp@4,mtp:pycoder-mtp:tree=2x2x2x1] [--rounds 5]
-                                     [--num-prompts 8] [--json benchmarks/cpu/interleaved.json]
+                                     [--num-prompts 8] [--span 192] [--json benchmarks/cpu/interleaved.json]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import specfx
 from specfx import zoo
 from specfx.bench import cache_length, interleave
+from specfx.matmul_choice import round_robin
 
 
 def compiled(model, spec: str, max_seq_len: int):
@@ -38,6 +42,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--span", type=int, help="also time each fused step at this span, alone and round-robin")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of the --span timings")
     ap.add_argument("--json")
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
@@ -88,11 +94,45 @@ def main() -> None:
         print(f"{s}: TTFT {row['median_ttft_ms']:.1f} ms; step {step_ms[s]:.3f} ms "
               f"({step_ms[s] / step_ms[specs[0]]:.2f}x {specs[0]}'s), {row['tokens_per_step']:.2f} tokens/step, "
               f"steps alone {row['tokens_per_step'] / rows[0]['tokens_per_step'] * step_ms[specs[0]] / step_ms[s]:.2f}x")
+    steps = span_steps(fast, prompts[0], args.span, args.repeats) if args.span else None
     if args.json:
         settings = dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, rounds=args.rounds,
-                        max_seq_len=max_seq_len)
+                        max_seq_len=max_seq_len, span=args.span)
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "rows": rows}, f, indent=1)
+            json.dump({"settings": settings, "rows": rows, "span_steps": steps}, f, indent=1)
+
+
+STEPS_IN_A_RUN = 40
+
+
+def span_steps(fast: dict, ids, span: int, repeats: int) -> list[dict]:
+    """Each repeat: drafter -> (ms a step in a run of its own consecutive steps, ms a step
+    round-robin with the others' steps), medians, each state at a `span`-slot span after 64
+    tokens generated from `ids` (as `timing.at_span` sets it), printed a repeat a line."""
+    steps = {}
+    for s, f in fast.items():
+        f.generate(ids, max_new_tokens=64)
+        rt = f.runtime
+
+        def step(rt=rt):
+            rt.state.set_span(span)
+            rt._step()
+        steps[s] = step
+    runs = []
+    for _ in range(repeats):
+        alone = {}
+        for s, step in steps.items():
+            times = []
+            for _ in range(STEPS_IN_A_RUN + 1):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            alone[s] = statistics.median(times[1:]) * 1e3        # the first finds the others' data cached
+        shared = {s: t * 1e3 for s, t in round_robin(steps, STEPS_IN_A_RUN).items()}
+        runs.append({s: dict(alone_ms=alone[s], round_robin_ms=shared[s]) for s in steps})
+        print(f"steps at a {span}-slot span, ms, alone / round-robin: " + "  ".join(
+            f"{s} {alone[s]:.3f} / {shared[s]:.3f}" for s in steps), flush=True)
+    return runs
 
 
 if __name__ == "__main__":
