@@ -13,31 +13,27 @@ before each call (untimed), at a `--span`-slot span.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 
 import torch
 
 from specfx import zoo
 from specfx.matmul_choice import machine, round_robin
-from specfx.runtime.memory import HUGE_PAGE, MADV_NOHUGEPAGE, madvise
+from specfx.runtime.memory import small_pages
 from timing import at_span, round_args
 
 
-def small_pages_copy(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], mmap.mmap]:
-    """Copies of `tensors`, one after another in an anonymous mapping kept in 4 KB pages."""
+def small_pages_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors`, one after another in memory kept in 4 KB pages."""
     sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
-    area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), MADV_NOHUGEPAGE)
-    flat = torch.frombuffer(area, dtype=torch.uint8)
+    flat = small_pages(sum(sizes))
     copies, offset = [], 0
     for t, size in zip(tensors, sizes):
         c = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         c.copy_(t.detach())
         copies.append(c)
         offset += size
-    return copies, area
+    return copies
 
 
 def main() -> None:
@@ -51,7 +47,7 @@ def main() -> None:
     steps = {d: at_span(model, tok, d, args.span).runtime._step for d in drafts}   # compiled: weights collapsed
     params = list(model.parameters())
     pages = {"2 MB": [p.data for p in params]}
-    pages["4 KB"], _area = small_pages_copy(pages["2 MB"])
+    pages["4 KB"] = small_pages_copy(pages["2 MB"])
     calls = {(d, size): steps[d] for d in drafts for size in pages}
 
     def before(key) -> None:

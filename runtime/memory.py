@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import re
 import sys
@@ -112,6 +113,15 @@ def huge_pages(tensors) -> int:
         start = storage.data_ptr()
         ranges.update(range(start // HUGE_PAGE * HUGE_PAGE, start + storage.nbytes(), HUGE_PAGE))
     return sum(madvise(r, HUGE_PAGE, MADV_HUGEPAGE) and madvise(r, HUGE_PAGE, MADV_COLLAPSE) for r in sorted(ranges))
+
+
+def small_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeros (uint8) in an anonymous mapping of their own marked for 4 KB pages
+    (MADV_NOHUGEPAGE), which the tensor keeps alive: memory to compare huge pages against."""
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), nbytes, MADV_NOHUGEPAGE):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_NOHUGEPAGE) failed")
+    return torch.frombuffer(area, dtype=torch.uint8)
 
 
 def madvise(address: int, length: int, advice: int) -> bool:

@@ -3,8 +3,6 @@ for the memory a compiled step reads."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import platform
 import re
 import sys
@@ -50,9 +48,7 @@ def _huge_bytes(t: torch.Tensor) -> int:
 def test_huge_pages_back_a_tensor_with_2mb_pages_in_place(monkeypatch):
     """`huge_pages` collapses the 2 MB ranges a tensor's storage covers, leaving its address and
     values; `$SPECFX_HUGE_PAGES=0` leaves them alone."""
-    area = mmap.mmap(-1, 12 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)     # a mapping of its own
-    assert memory.madvise(ctypes.addressof(ctypes.c_char.from_buffer(area)), len(area), memory.MADV_NOHUGEPAGE)
-    t = torch.frombuffer(area, dtype=torch.float32)
+    t = memory.small_pages(12 << 20).view(torch.float32)                            # a mapping of its own
     t.copy_(torch.arange(3 << 20, dtype=torch.float32))
     ptr, before = t.data_ptr(), _huge_bytes(t)
     assert before == 0
