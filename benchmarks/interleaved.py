@@ -26,6 +26,7 @@ import specfx
 from specfx import zoo
 from specfx.bench import cache_length, interleave
 from specfx.matmul_choice import round_robin
+from timing import to_span
 
 
 def compiled(model, spec: str, max_seq_len: int):
@@ -108,16 +109,8 @@ STEPS_IN_A_RUN = 40
 def span_steps(fast: dict, ids, span: int, repeats: int) -> list[dict]:
     """Each repeat: drafter -> (ms a step in a run of its own consecutive steps, ms a step
     round-robin with the others' steps), medians, each state at a `span`-slot span after 64
-    tokens generated from `ids` (as `timing.at_span` sets it), printed a repeat a line."""
-    steps = {}
-    for s, f in fast.items():
-        f.generate(ids, max_new_tokens=64)
-        rt = f.runtime
-
-        def step(rt=rt):
-            rt.state.set_span(span)
-            rt._step()
-        steps[s] = step
+    tokens generated from `ids` (`timing.to_span`), printed a repeat a line."""
+    steps = {s: to_span(f, ids, span).runtime._step for s, f in fast.items()}
     runs = []
     for _ in range(repeats):
         alone = {}

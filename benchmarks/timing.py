@@ -32,7 +32,12 @@ def at_span(model, tok, spec: str, span: int):
     (everything compiled, the drafter's state filled), then its state set to read `span` cache
     slots: `._step` / `.runtime._step` is one fused step there."""
     ids = tok(zoo.prompts()[0], return_tensors="pt").input_ids
-    fast = specfx.compile(model, draft=spec, max_seq_len=max(256, span + 64))
+    return to_span(specfx.compile(model, draft=spec, max_seq_len=max(256, span + 64)), ids, span)
+
+
+def to_span(fast, ids, span: int):
+    """`fast` (a compiled model) after 64 tokens generated from `ids`, its state then set to
+    read `span` cache slots: the state `at_span` leaves."""
     fast.generate(ids, max_new_tokens=64)
     fast.runtime.state.set_span(span)
     return fast
