@@ -10,6 +10,9 @@ How it measures (printed with every table):
 - per prompt the median wall time over repeats is kept;
 - tokens/s = all new tokens / sum of per-prompt median times (prefill included, end to end);
 - TTFT = median over prompts of the time from the call to the first new token on the host;
+- TPOT = time per output token after the first: the sum over prompts of the median time after
+  the first token over the sum of the tokens after the first (tokens/s with the prefill left
+  out: a drafter's own speed, where tokens/s also holds the prefill that all methods share);
 - exact_match = fraction of prompts whose new tokens equal `hf-greedy`'s, token for token
   (greedy only; with `sampling` the baseline is `hf-sample` and exact match is not defined);
 - draft ms, verify ms = `SpeculativeModel.profile()`'s parts (each graph compiled alone), every
@@ -43,6 +46,7 @@ class MethodRun:
     tokens_per_s: float
     ttft_s: float
     new_tokens: int
+    tpot_s: float | None = None
     mean_accepted: float | None = None
     acceptance_by_position: list[float] | None = None
     draft_s: float | None = None
@@ -317,9 +321,12 @@ def _figures(m: _Method, times, ttfts, outputs, hist, reference, parts) -> Metho
     """One method's row: per-prompt medians over the repeats, acceptance, `profile()`'s parts."""
     med = [statistics.median(t) for t in times]
     new_tokens = sum(len(o) for o in outputs)
+    later = sum(len(o) - 1 for o in outputs if o)                  # the tokens after each first one
+    after_first = sum(statistics.median(t - f for t, f in zip(ts, fs)) for ts, fs in zip(times, ttfts))
     run = MethodRun(
         name=m.name, tokens_per_s=new_tokens / sum(med),
         ttft_s=statistics.median(statistics.median(t) for t in ttfts), new_tokens=new_tokens,
+        tpot_s=after_first / later if later > 0 else None,
         peak_mem_mb=m.peak_bytes / 2**20, compile_s=m.compile_s, config=m.config,
         exact_match=None if reference is None else sum(o == r for o, r in zip(outputs, reference)) / len(reference),
     )
@@ -352,7 +359,7 @@ def render(result: BenchResult):
     t = Table(title=f"{result.model} on {result.device}: {s['prompts']} prompts x {s['max_new_tokens']} "
                     f"new tokens, {mode}, median of {s['repeats']} interleaved after {s['warmup']} warm-up")
     base = "hf-greedy" if s.get("greedy", True) else "hf-sample"
-    for col in ("method", "tok/s", f"vs {base}", "TTFT ms", "accepted/call", "acceptance by position",
+    for col in ("method", "tok/s", f"vs {base}", "TTFT ms", "TPOT ms", "accepted/call", "acceptance by position",
                 "draft ms", "verify ms", "peak MiB", "exact", "compile s"):
         t.add_column(col, justify="left" if col in ("method", "acceptance by position") else "right")
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -360,7 +367,7 @@ def render(result: BenchResult):
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_position) if r.acceptance_by_position else "-"
         t.add_row(
             f"{r.name} {r.config}".strip(), f"{r.tokens_per_s:.1f}", f(r.speedup_vs_hf_greedy, ".2f") + "x",
-            f"{r.ttft_s * 1e3:.1f}", f(r.mean_accepted, ".2f"), acc,
+            f"{r.ttft_s * 1e3:.1f}", f(r.tpot_s and r.tpot_s * 1e3, ".3f"), f(r.mean_accepted, ".2f"), acc,
             f(r.draft_s and r.draft_s * 1e3, ".2f"), f(r.verify_s and r.verify_s * 1e3, ".2f"),
             f"{r.peak_mem_mb:.0f}", f(r.exact_match, ".2f"), f(r.compile_s, ".1f"),
         )

@@ -35,10 +35,15 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys, monkeypatch):
     names = [r["name"] for r in data["runs"]]
     assert names == ["hf-greedy", "hf-early-exit:1", "specfx:none", "specfx:early-exit:2"]
     for r in data["runs"]:
-        for key in ("tokens_per_s", "ttft_s", "mean_accepted", "acceptance_by_position", "draft_s",
+        for key in ("tokens_per_s", "ttft_s", "tpot_s", "mean_accepted", "acceptance_by_position", "draft_s",
                     "verify_s", "peak_mem_mb", "exact_match", "speedup_vs_hf_greedy"):
             assert key in r
         assert r["exact_match"] == 1.0 and r["tokens_per_s"] > 0
+        # One repeat of 2 prompts: each prompt's time is its TTFT (their median is their mean)
+        # and then its tokens after the first at TPOT each.
+        after_first = r["tpot_s"] * (r["new_tokens"] - 2)
+        assert after_first + 2 * r["ttft_s"] == pytest.approx(r["new_tokens"] / r["tokens_per_s"])
+        assert r["tpot_s"] > 0
     ee = data["runs"][-1]
     assert len(ee["acceptance_by_position"]) == 3 and ee["draft_s"] > 0 and ee["verify_s"] > 0
     assert timed == [[(0, "decode"), (1, "draft"), (1, "verify")]]       # none, then early exit
