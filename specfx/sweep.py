@@ -122,6 +122,15 @@ def _run_side_by_side(model, drafters: list[tuple[str, int | None]], encoded, ma
 TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
 
 
+def saved_tree(model, draft: str) -> tuple[int, ...] | None:
+    """The tree `draft` takes by default on `model` where it is an MTP head: the one a sweep saved
+    (`config.specfx_mtp_tree`), or None."""
+    from specfx.drafters import MTPHead, parse_draft
+
+    saved = getattr(model.config, "specfx_mtp_tree", None)
+    return tuple(saved) if saved and isinstance(parse_draft(draft), MTPHead) else None
+
+
 def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
     """`draft` with a tree: "mtp" -> "mtp:tree=4x2x2x1" (its other options kept, in their place:
     "mtp:pycoder-mtp:weights=bfloat16" -> "mtp:pycoder-mtp:tree=4x2x2x1:weights=bfloat16")."""
@@ -135,10 +144,11 @@ def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
 def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: int = 3, trees=TREES,
                max_new_tokens: int = 64, num_prompts: int = 8, backend: str = "inductor", check: int = 3,
                rounds: int = 5, log=print) -> SweepResult:
-    """Each tree shape (and the chain of k) of `draft`: tokens per target call, draft and verify
-    ms (every shape's graphs and the decode graph timed together in shuffled rounds), and
-    predicted tokens per second relative to plain decoding and to the chain; then the
-    chain and the `check` trees predicted fastest run for real, `rounds` rounds each against
+    """Each tree shape of `draft`, after its chain of k and with the model's saved default tree
+    (`saved_tree`) where `trees` leave it out: tokens per target call, draft and verify ms (every
+    shape's graphs and the decode graph timed together in shuffled rounds), and predicted
+    tokens per second relative to plain decoding and to the chain; then the chain, the `check`
+    trees predicted fastest and the saved tree run for real, `rounds` rounds each against
     plain decoding (`measured_speedup`), and the fastest of them is the best (0: trust the
     prediction). The parts timed alone miss what the fused step adds (a drafter's weights
     read cold after the verify pass has streamed the model's), which can reorder close shapes."""
@@ -146,6 +156,11 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
 
     encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts[:num_prompts]]
     max_seq_len = cache_length(encoded, max_new_tokens)
+    # The saved default tree is swept too (and run for real below), so that a sweep saving its
+    # best replaces it only with a shape measured faster.
+    saved, trees = saved_tree(model, draft), tuple(tuple(t) for t in trees)
+    if saved and saved not in (*trees, (1,) * k):
+        trees += (saved,)
     result = SweepResult(settings=dict(prompts=len(encoded), max_new_tokens=max_new_tokens, draft=draft, k=k,
                                        trees=[list(t) for t in trees], backend=backend, max_seq_len=max_seq_len,
                                        checked=check, rounds=rounds))
@@ -185,6 +200,8 @@ def sweep_tree(model, tokenizer, prompts: list[str], *, draft: str = "mtp", k: i
             f"{row['predicted_tokens_per_s']:.0f} tok/s, {row['vs_chain']:.2f}x the chain")
     result.best = max(result.rows, key=lambda r: r["predicted_speedup"])
     top = sorted(range(1, len(result.rows)), key=lambda i: -result.rows[i]["predicted_speedup"])[:check]
+    if top and saved and saved in trees and trees.index(saved) + 1 not in top:
+        top.append(trees.index(saved) + 1)
     if top:
         checked = [0, *top]                   # the chain, the reference of `measured_vs_chain`
         speedups = _run_side_by_side(model, [(specs[i], None) for i in checked], encoded, max_new_tokens,

@@ -188,6 +188,17 @@ def test_tree_sweep_reports_every_shape_and_saves_the_best(checkpoint, tmp_path,
     assert "bound vs chain" in printed
     saved = json.loads((path / "config.json").read_text()).get("specfx_mtp_tree")
     assert saved == data["best"]["tree"]
+    # A later sweep runs the saved tree too, measured, even where it is predicted slowest, so
+    # that saving replaces it only with a shape that ran faster (here it runs last of those
+    # checked: the fastest).
+    other = next(t for t in ("2x1", "3x2", "1x1x1") if t != "x".join(map(str, saved)))
+    monkeypatch.setattr(sweep, "profile_models", lambda models: [(0.0, 1e-3), (1e-3, 1e-3), (1e-3, 1e-3), (1.0, 1.0)])
+    rc = main(["bench", str(path), "--sweep-tree", "--sweep-draft", f"mtp:{head}", "--trees", other,
+               "--save-default", "-k", "2", "--num-prompts", "1", "--max-new-tokens", "6", "--backend", "eager",
+               "--check", "1", "--json", str(out)])
+    again = json.loads(out.read_text())
+    assert rc == 0 and [r["tree"] for r in again["rows"]] == [None, [int(b) for b in other.split("x")], saved]
+    assert ran[-1][-1].endswith("tree=" + "x".join(map(str, saved))) and again["best"]["tree"] == saved
     # The saved tree (or a chosen one, where the chain won) is what MTPHead() drafts.
     json.dump({**json.loads((path / "config.json").read_text()), "specfx_mtp_tree": [2, 1]},
               open(path / "config.json", "w"))
