@@ -56,8 +56,8 @@ def add_parser(sub):
     p.add_argument("--exit-layers", default=None,
                    help="with --sweep-exit: the exit layers to try, comma-separated (default: every one)")
     p.add_argument("--sweep-tree", action="store_true",
-                   help="try draft-tree shapes of --sweep-draft against its chain of k, run the chain and the "
-                        "three best predictions for real; print the best")
+                   help="try draft-tree shapes of --sweep-draft (and the model's saved tree) against its chain "
+                        "of k, run the chain, the three best predictions and the saved tree for real; print the best")
     p.add_argument("--sweep-draft", default="mtp",
                    help="with --sweep-tree: the drafter (default: the model's MTP head)")
     p.add_argument("--trees", default=None,
