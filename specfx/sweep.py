@@ -124,11 +124,14 @@ TREES = ((2, 1, 1), (3, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (4, 2, 2, 1))
 
 def saved_tree(model, draft: str) -> tuple[int, ...] | None:
     """The tree `draft` takes by default on `model` where it is an MTP head: the one a sweep saved
-    (`config.specfx_mtp_tree`), or None."""
-    from specfx.drafters import MTPHead, parse_draft
+    (`config.specfx_mtp_tree`, as `pipeline.resolve_drafter` reads it), or None."""
+    import dataclasses
 
-    saved = getattr(model.config, "specfx_mtp_tree", None)
-    return tuple(saved) if saved and isinstance(parse_draft(draft), MTPHead) else None
+    from specfx.drafters import MTPHead, parse_draft
+    from specfx.pipeline import resolve_drafter
+
+    config = parse_draft(draft)
+    return resolve_drafter(model, dataclasses.replace(config, tree=None)).tree if isinstance(config, MTPHead) else None
 
 
 def tree_spec(draft: str, tree: tuple[int, ...]) -> str:
