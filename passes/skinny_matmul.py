@@ -14,7 +14,9 @@
 
 Tiled linears of one input and one weight dtype (a layer's q, k and v projections; its gate and
 up) then run as one kernel, `specfx.tiled_linears`, sliced back into their outputs (the same to
-the bit): one parallel region and one weight stream instead of one each.
+the bit): one parallel region and one weight stream instead of one each. A gated MLP's
+silu(gate) * up over such a group of float32 or bfloat16 weights becomes one `specfx.tiled_glu`
+kernel, whose threads gate the columns they computed.
 
 At M = 1..k+1 a BLAS call streams the weights several times slower than the machine can
 (DESIGN.md, "Kernels"); at a prefill's width, MKL repacks every weight at each call on this
@@ -39,6 +41,15 @@ from specfx.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
 MAX_ROWS = 16            # the rewrite unrolls one reduction per row; wider matmuls stay BLAS calls
+# The fewest static rows whose gated MLP runs as one `tiled_glu` (rows not static, a prefill's,
+# always do). pycoder's fused steps, both ways in one process, round-robin, three repeats
+# (`benchmarks/gated_mlp.py`, a 2-core AMD EPYC, `benchmarks/cpu/gated_mlp_epyc_zen4.txt`): the
+# chain of 7's 8-row verify step 3.37-3.43 ms against 3.63-3.65 apart, the chain of 3's 4-row one
+# 3.10-3.17 against 3.14-3.21, the first token of a 115-token prompt 23.31-23.43 against
+# 23.34-23.55. At one row Inductor's pointwise kernel reads 864 floats, and the fused decode step
+# (an earlier run of the script: 1.86-2.18 ms against 1.82-2.14) differed from the other as two
+# builds of one decode graph do here (2.14-2.21 against 2.11-2.18).
+GATED_FROM_ROWS = 4
 # Inductor computes its input into a buffer of this layout (identity in eager and export, see
 # `strip_materialize`).
 MATERIALIZE = inductor_prims.force_stride_order
@@ -85,10 +96,12 @@ class SkinnyMatmul(Pass):
         if not rewrote and not kept:
             return PassResult(gm, False, "no linear with a 2-D weight")
         grouped, kernels = _group_tiled(gm)
+        gated = _fuse_gated(gm)
         summary = "; ".join([f"rewrote {n}: {r}" for r, n in rewrote.items()] +
                             [f"kept {n}: {r}" for r, n in kept.items()] +
-                            ([f"grouped {grouped} tiled linears of a shared input into {kernels} kernels"] if grouped else []))
-        info = {"rewritten": sum(rewrote.values()), "kept": sum(kept.values()), "grouped": grouped}
+                            ([f"grouped {grouped} tiled linears of a shared input into {kernels} kernels"] if grouped else []) +
+                            ([f"fused {gated} gated MLPs' silu(gate) * up into their kernels"] if gated else []))
+        info = {"rewritten": sum(rewrote.values()), "kept": sum(kept.values()), "grouped": grouped, "gated": gated}
         if not rewrote:
             return PassResult(gm, False, summary, info)
         return PassResult(finish(gm), True, summary, info)
@@ -216,6 +229,56 @@ def _group_tiled(gm: fx.GraphModule) -> tuple[int, int]:
     return grouped, kernels
 
 
+def _only_user(node: fx.Node, target) -> fx.Node | None:
+    """`node`'s one user, where it has exactly one and it calls `target`."""
+    users = list(node.users)
+    ok = len(users) == 1 and users[0].op == "call_function" and users[0].target is target
+    return users[0] if ok else None
+
+
+def _fuse_gated(gm: fx.GraphModule) -> int:
+    """`mul(silu(gate), up)` where gate and up are the two columns of one `tiled_linears` of two
+    float32 or bfloat16 weights of one shape (a gated MLP: Llama's, Qwen's), over at least
+    `GATED_FROM_ROWS` rows or rows not static, becomes
+    `tiled_glu(x, w_gate, w_up)`: each thread then gates the columns it computed, where
+    Inductor's one-thread pointwise kernel read the other thread's half from its core's cache
+    (see `glu` in the kernels' header). Returns how many it fused."""
+    from specfx.kernels import tiled_linear
+
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.specfx.tiled_linears.default or len(node.args[1]) != 2:
+            continue
+        rows = node.args[0].meta["val"].shape[0]
+        if isinstance(rows, int) and rows < GATED_FROM_ROWS:
+            continue
+        w_gate, w_up = node.args[1]
+        g, u = w_gate.meta["val"], w_up.meta["val"]
+        if g.dtype not in (torch.float32, torch.bfloat16) or g.dtype != u.dtype or g.shape != u.shape:
+            continue
+        N = int(g.shape[0])
+        cols = {}                                        # first column -> (slice, its reshape)
+        for piece in node.users:
+            view = _only_user(piece, aten.reshape.default)
+            if piece.target is aten.slice.Tensor and view is not None and tuple(piece.args[1:]) in ((1, 0, N), (1, N, 2 * N)):
+                cols[piece.args[2]] = (piece, view)
+        if len(cols) != 2 or len(node.users) != 2:
+            continue
+        (gate, gate_view), (up, up_view) = cols[0], cols[N]
+        silu = _only_user(gate_view, aten.silu.default)
+        mul = silu and _only_user(silu, aten.mul.Tensor)
+        if mul is None or set(mul.args) != {silu, up_view} or _only_user(up_view, aten.mul.Tensor) is not mul:
+            continue
+        with gm.graph.inserting_before(mul):
+            out = insert_call(gm, torch.ops.specfx.tiled_glu.default, (node.args[0], w_gate, w_up, tiled_linear.VERSION))
+            out = insert_call(gm, aten.reshape.default, (out, gate_view.args[1]))
+        _replace(gm, mul, out)
+        for dead in (silu, up_view, gate_view, up, gate, node):
+            gm.graph.erase_node(dead)
+        fused += 1
+    return fused
+
+
 def _replace(gm: fx.GraphModule, node: fx.Node, out: fx.Node) -> None:
     out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     node.replace_all_uses_with(out)
@@ -249,7 +312,8 @@ def strip_materialize(gm: fx.GraphModule) -> fx.GraphModule:
 
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
     tiled = {torch.ops.specfx.tiled_linear.default: _linear_sums, torch.ops.specfx.tiled_mix.default: _mix_sums,
-             torch.ops.specfx.tiled_attend.default: _attend_sums, torch.ops.specfx.tiled_linears.default: _linears_sums}
+             torch.ops.specfx.tiled_attend.default: _attend_sums, torch.ops.specfx.tiled_linears.default: _linears_sums,
+             torch.ops.specfx.tiled_glu.default: _glu_sums}
     for node in list(out.graph.nodes):
         if node.op == "call_function" and node.target is MATERIALIZE:
             node.replace_all_uses_with(node.args[0])
@@ -297,6 +361,12 @@ def _linear_sums(gm: fx.GraphModule, x: fx.Node, w: fx.Node) -> fx.Node:
 def _linears_sums(gm: fx.GraphModule, x: fx.Node, ws: list[fx.Node]) -> fx.Node:
     """`tiled_linears` as each weight's `_linear_sums`, side by side."""
     return insert_call(gm, aten.cat.default, ([_linear_sums(gm, x, w) for w in ws], -1))
+
+
+def _glu_sums(gm: fx.GraphModule, x: fx.Node, w_gate: fx.Node, w_up: fx.Node) -> fx.Node:
+    """`tiled_glu` as silu of the gate's `_linear_sums` times the up projection's."""
+    gate = insert_call(gm, aten.silu.default, (_linear_sums(gm, x, w_gate),))
+    return insert_call(gm, aten.mul.Tensor, (gate, _linear_sums(gm, x, w_up)))
 
 
 def _mix_sums(gm: fx.GraphModule, p: fx.Node, v: fx.Node) -> fx.Node:

@@ -12,7 +12,7 @@ from helpers import assert_greedy_equal, hf_greedy, span, tiny_model
 from specfx import matmul_choice
 from specfx.capture import capture
 from specfx.passes import Choice, SkinnyMatmul
-from specfx.passes.skinny_matmul import MATERIALIZE, MAX_ROWS, strip_materialize
+from specfx.passes.skinny_matmul import GATED_FROM_ROWS, MATERIALIZE, MAX_ROWS, strip_materialize
 
 aten = torch.ops.aten
 ALWAYS = lambda M, N, K, dtype: Choice("reduce", f"M={M}: test")      # noqa: E731
@@ -40,7 +40,7 @@ def test_rewrites_every_linear_and_keeps_numerics(width):
     sums = _count(cg.gm, aten.sum.dim_IntList)                     # attention's own
     queries = _count(cg.gm, MATERIALIZE)                           # attention's queries (CPU)
     res = SkinnyMatmul(ALWAYS)(cg.gm)
-    assert res.modified and res.info == {"rewritten": linears, "kept": 0, "grouped": 0}
+    assert res.modified and res.info == {"rewritten": linears, "kept": 0, "grouped": 0, "gated": 0}
     assert _count(res.graph_module, aten.linear.default) == 0
     assert _count(res.graph_module, aten.sum.dim_IntList) == sums + linears * width   # one reduction per row
     assert _count(res.graph_module, MATERIALIZE) == queries + linears
@@ -50,12 +50,15 @@ def test_rewrites_every_linear_and_keeps_numerics(width):
 
 
 def _tiled_weights(gm) -> list:
-    """The 2-D weights the tiled kernels read, a lone linear's or a group's, in graph order."""
+    """The 2-D weights the tiled kernels read, a lone linear's, a group's or a gated MLP's, in
+    graph order."""
     ops, out = torch.ops.specfx, []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in (ops.tiled_linear.default, ops.tiled_linears.default):
             ws = n.args[1] if n.target is ops.tiled_linears.default else [n.args[1]]
             out += [w for w in ws if w.meta["val"].dim() == 2]
+        elif n.op == "call_function" and n.target is ops.tiled_glu.default:
+            out += n.args[1:3]
     return out
 
 
@@ -72,18 +75,23 @@ def test_tiled_rewrite_reads_each_weight_once_and_groups_a_shared_input(width):
     tiled, group = torch.ops.specfx.tiled_linear.default, torch.ops.specfx.tiled_linears.default
     attention = _count(cg.gm, tiled)                                              # scores, one per layer
     res = SkinnyMatmul(TILED)(cg.gm)
-    assert res.modified and res.info == {"rewritten": 15, "kept": 0, "grouped": 10} and "rewrote 15: M=" in res.reason
-    assert "grouped 10 tiled linears of a shared input into 4 kernels" in res.reason
-    calls = [n for n in res.graph_module.graph.nodes if n.target in (tiled, group)]
-    assert _count(res.graph_module, group) == 4 and _count(res.graph_module, tiled) == attention + 5   # o, down, lm_head
-    assert [len(n.args[1]) for n in calls if n.target is group] == [3, 2, 3, 2]
+    glu, gated = torch.ops.specfx.tiled_glu.default, width >= GATED_FROM_ROWS     # one row: apart
+    assert res.modified and res.info == {"rewritten": 15, "kept": 0, "grouped": 10, "gated": 2 * gated}
+    assert "rewrote 15: M=" in res.reason and "grouped 10 tiled linears of a shared input into 4 kernels" in res.reason
+    assert ("fused 2 gated MLPs' silu(gate) * up into their kernels" in res.reason) == gated
+    calls = [n for n in res.graph_module.graph.nodes if n.target in (tiled, group, glu)]
+    assert _count(res.graph_module, tiled) == attention + 5   # o, down, lm_head
+    assert [len(n.args[1]) if n.target is group else "glu" for n in calls if n.target is not tiled] == \
+           [3, "glu" if gated else 2] * 2
+    assert _count(res.graph_module, aten.silu.default) == 2 * (not gated)      # fused: the kernel's
     weights = _tiled_weights(res.graph_module)
     assert len(weights) == len(set(weights)) == 15 and _count(res.graph_module, aten.linear.default) == 0
     assert _count(res.graph_module, aten.sum.dim_IntList) == sums                 # no reductions added
-    assert all(n.args[2] == tiled_linear.VERSION for n in calls)
+    assert all(n.args[-1] == tiled_linear.VERSION for n in calls)
     torch.testing.assert_close(_run(res.graph_module, ids, pos), ref, atol=1e-4, rtol=1e-4)
     stripped = strip_materialize(res.graph_module)                                # what export sees
-    assert _count(stripped, tiled) == _count(stripped, group) == _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
+    assert _count(stripped, tiled) == _count(stripped, group) == _count(stripped, glu) == 0
+    assert _count(stripped, torch.ops.specfx.tiled_mix.default) == 0
     assert _count(res.graph_module, torch.ops.specfx.tiled_attend.default) == 2    # attention, one per layer
     assert _count(stripped, torch.ops.specfx.tiled_attend.default) == 0
     assert _count(stripped, aten.linear.default) == 0                             # products and sums
@@ -138,7 +146,7 @@ def test_tiled_choice_falls_back_where_the_kernel_does_not_compile(monkeypatch):
 def test_keeps_what_the_choice_refuses_and_says_why():
     cg = capture(tiny_model("llama", layers=2), width=2, max_seq_len=32)
     res = SkinnyMatmul(NEVER)(cg.gm)
-    assert not res.modified and res.info == {"rewritten": 0, "kept": 15, "grouped": 0}
+    assert not res.modified and res.info == {"rewritten": 0, "kept": 15, "grouped": 0, "gated": 0}
     assert "kept 15: M=2: test says BLAS" in res.reason
     wide = capture(tiny_model("llama", layers=1), width=MAX_ROWS + 1, max_seq_len=32)
     res = SkinnyMatmul(ALWAYS)(wide.gm)

@@ -3,6 +3,7 @@ call, batched operands that are not a view of a static buffer, and shapes they d
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx
 
 from specfx.kernels import tiled_linear
@@ -189,6 +190,28 @@ def test_the_roofline_stream_sums_what_torch_sums():
         assert stream(x) == pytest.approx(x.double().sum().item(), abs=1e-3 * max(1, n) ** 0.5)
     with pytest.raises(ValueError, match="contiguous float32"):
         stream(torch.randn(8, 8).T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_mlp_kernel_gates_what_the_linears_give(dtype):
+    """`tiled_glu` is silu(gate) * up over what `tiled_linear` gives each weight, its exponential
+    within a few ulp of torch's: over every tile shape, whole blocks and the columns past them
+    (N = 40: two blocks under AVX2, AVX-512's one and a tail), gates far into both tails of the
+    silu, and rows symbolic, as in a prefill."""
+    V = tiled_linear.VERSION
+    wg, wu = (tiled_linear.store_rows(torch.randn(40, 24), dtype)[0] for _ in range(2))
+    one = compile_graph(fx.symbolic_trace(lambda x, a, b: [torch.ops.specfx.tiled_linear(x, w, V) for w in (a, b)]),
+                        "inductor", dynamic={"x": (0,)})
+    glu = compile_graph(fx.symbolic_trace(lambda x, a, b: torch.ops.specfx.tiled_glu(x, a, b, V)),
+                        "inductor", dynamic={"x": (0,)})
+    for M in (8, 1, 2, 3, 4, 5, 16):                    # the first call's rows compile it: not 1
+        x = torch.randn(M, 24) * 8                       # gates of -100..100: exp's clamps
+        gate, up = one(x, wg, wu)
+        out = glu(x, wg, wu)
+        want = F.silu(gate) * up
+        assert out.shape == (M, 40)
+        torch.testing.assert_close(out, want, rtol=3e-6, atol=1e-6 * want.abs().max().item())
+    torch.testing.assert_close(torch.ops.specfx.tiled_glu(x, wg, wu, V), want, rtol=1e-5, atol=1e-4)   # eager
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -8,6 +8,9 @@
 - `tiled_linears(x [M, K], [w_0, w_1, ...]) -> [M, N_0 + N_1 + ...]`
   (`torch.ops.specfx.tiled_linears`): the linears of one input (a layer's q, k and v; its gate
   and up) as one kernel, `linears` in the header; each output as `tiled_linear` computes it.
+- `tiled_glu(x [M, K], w_gate, w_up) -> [M, N]` (`torch.ops.specfx.tiled_glu`): a gated MLP's
+  silu(x @ w_gate.T) * (x @ w_up.T) as one kernel, `glu` in the header: each thread gates the
+  columns it computed.
 - `tiled_mix(p [B, M, L], v [B, L, D]) -> [B, M, D]` (`torch.ops.specfx.tiled_mix`): p @ v,
   attention's weighted sum of cached values; compiled, `mix` in the header.
 - `tiled_attend(q, k, v, bias, scale)` (`torch.ops.specfx.tiled_attend`): a few queries' whole
@@ -147,6 +150,19 @@ def tiled_linears(x: torch.Tensor, ws: list[torch.Tensor], version: int) -> torc
 @tiled_linears.register_fake
 def _(x, ws, version):
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in ws))
+
+
+@torch.library.custom_op("specfx::tiled_glu", mutates_args=())
+def tiled_glu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, version: int) -> torch.Tensor:
+    """silu(x [M, K] @ w_gate[N, K].T) * (x @ w_up[N, K].T) -> [M, N], float32 or bfloat16
+    weights of one dtype (each product as `tiled_linear` computes it; the kernel's exponential
+    is within a few ulp of torch's)."""
+    return F.silu(tiled_linear(x, w_gate, version)) * tiled_linear(x, w_up, version)
+
+
+@tiled_glu.register_fake
+def _(x, w_gate, w_up, version):
+    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
 
 
 @torch.library.custom_op("specfx::tiled_mix", mutates_args=())
@@ -301,6 +317,22 @@ def register() -> None:
         layout = ir.FixedLayout(x.get_device(), torch.float32, [M, sum(ns)])
         params = ["const float* X", *(f"{weight} {name}" for name in names)]
         return ir.TensorBox.create(Tiled(layout, [x, *ws], call, M, sum(ns), params))
+
+    @lowering.register_lowering(torch.ops.specfx.tiled_glu.default, type_promotion_kind=None)
+    def _lower_glu(x, w_gate, w_up, version):
+        x, w_gate, w_up = contiguous(x), contiguous(w_gate), contiguous(w_up)
+        dtypes = {w_gate.get_dtype(), w_up.get_dtype()}
+        if len(x.get_size()) != 2 or w_gate.get_size() != w_up.get_size() or len(dtypes) != 1 \
+                or torch.int8 in dtypes:
+            raise NotImplementedError(f"tiled_glu takes x [M, K] and two float32 or bfloat16 weights [N, K] of one "
+                                      f"dtype; got x {list(x.get_size())}, weights {list(w_gate.get_size())} and "
+                                      f"{list(w_up.get_size())} of {dtypes}")
+        (M, K), N = x.get_size(), int(w_gate.get_size()[0])
+        weight = WEIGHT_DTYPES[dtypes.pop()].rsplit(" ", 1)[0]
+        call = f"specfx_tiled::glu(M, X, W0, W1, Y, N, {int(K)}, THREADS)"
+        layout = ir.FixedLayout(x.get_device(), torch.float32, [M, N])
+        params = ["const float* X", f"{weight} W0", f"{weight} W1"]
+        return ir.TensorBox.create(Tiled(layout, [x, w_gate, w_up], call, M, N, params))
 
     @lowering.register_lowering(torch.ops.specfx.tiled_mix.default)
     def _lower_mix(p, v, version):
