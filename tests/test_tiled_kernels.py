@@ -196,8 +196,8 @@ def test_the_roofline_stream_sums_what_torch_sums():
 def test_a_gated_mlp_kernel_gates_what_the_linears_give(dtype):
     """`tiled_glu` is silu(gate) * up over what `tiled_linear` gives each weight, its exponential
     within a few ulp of torch's: over every tile shape, whole blocks and the columns past them
-    (N = 40: two blocks under AVX2, AVX-512's one and a tail), gates far into both tails of the
-    silu, and rows symbolic, as in a prefill."""
+    (N = 40: AVX-512's two blocks of 16 and 8 columns past them; AVX2's five blocks of 8), gates
+    far into both tails of the silu, and rows symbolic, as in a prefill."""
     V = tiled_linear.VERSION
     wg, wu = (tiled_linear.store_rows(torch.randn(40, 24), dtype)[0] for _ in range(2))
     one = compile_graph(fx.symbolic_trace(lambda x, a, b: [torch.ops.specfx.tiled_linear(x, w, V) for w in (a, b)]),
@@ -205,7 +205,7 @@ def test_a_gated_mlp_kernel_gates_what_the_linears_give(dtype):
     glu = compile_graph(fx.symbolic_trace(lambda x, a, b: torch.ops.specfx.tiled_glu(x, a, b, V)),
                         "inductor", dynamic={"x": (0,)})
     for M in (8, 1, 2, 3, 4, 5, 16):                    # the first call's rows compile it: not 1
-        x = torch.randn(M, 24) * 8                       # gates of -100..100: exp's clamps
+        x = torch.randn(M, 24) * 8                       # gates of std ~40: some past exp's clamps (+-88)
         gate, up = one(x, wg, wu)
         out = glu(x, wg, wu)
         want = F.silu(gate) * up
