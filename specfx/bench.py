@@ -19,7 +19,12 @@ How it measures (printed with every table):
   specfx method's timed together in shuffled rounds after the passes, a draft graph's calls of
   one step in a row (the first reads its weights cold, as after a verify pass);
 - peak memory = over a method's warm-up, the CUDA allocator peak, or on CPU the process's peak
-  RSS (kernel high-water mark), which includes the methods built before it.
+  RSS (kernel high-water mark), which includes the methods built before it;
+- the machine's speed during the passes (the CPU, float32 weights: `MachineSpeed`): after each
+  prompt's round of methods, a read of the model's weight bytes by the header's hand-written
+  stream and its register-only FMA loop, so that a table says which phase it ran in (the floor
+  of a step over few rows is its bytes at the first, of one over many rows its multiply-adds at
+  the second).
 """
 
 from __future__ import annotations
@@ -67,10 +72,76 @@ class BenchResult:
     device: str
     settings: dict
     runs: list[MethodRun] = field(default_factory=list)
+    machine: dict | None = None         # `MachineSpeed.summary()`, where it was measured
 
     def to_dict(self) -> dict:
         return {"model": self.model, "device": self.device, "settings": self.settings,
-                "runs": [r.to_dict() for r in self.runs]}
+                "runs": [r.to_dict() for r in self.runs], "machine": self.machine}
+
+
+PROBE_READS = 3
+
+
+def _fastest(call) -> float:
+    """The fewest seconds of `PROBE_READS` calls of `call`."""
+    best = float("inf")
+    for _ in range(PROBE_READS):
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# The most bytes `MachineSpeed` streams: a model's weight bytes up to this (many times a
+# last-level cache), so that probing a large model does not hold a second copy of it.
+PROBE_MAX_BYTES = 256 * 2**20
+
+
+class MachineSpeed:
+    """The CPU's speed while the methods run, sampled between them: the GB/s at which the
+    header's `stream_sum` reads a buffer of the model's weight bytes (at most
+    `PROBE_MAX_BYTES`, in 2 MB pages as a compiled step's weights are: `huge_pages`), and the
+    GFLOP/s of its `fma_peak` (register-only multiply-adds), both on Inductor's thread count.
+
+    On a shared virtual machine both can drift between phases (the README's "Draft trees": a
+    2-core AMD EPYC's stream moved by half between runs minutes apart): a step over few rows is
+    held by the bytes it reads, one over many rows by its multiply-adds, so which phase a table
+    ran in decides how the two compare.
+    `sample()` costs three reads of the buffer and about 1 ms of multiply-adds.
+    None of this on a GPU, without the compiled header, or for weights other than float32."""
+
+    def __init__(self, model):
+        from specfx.kernels import tiled_linear
+        from specfx.roofline import linear_weights
+        from specfx.runtime.memory import huge_pages
+
+        weights = linear_weights(model)
+        self.stream_gbps, self.fma_gflops = [], []
+        self.enabled = (bool(weights) and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32
+                        and tiled_linear.available()[0])
+        if not self.enabled:
+            return
+        self.nbytes = min(sum(w.numel() * w.element_size() for w in weights), PROBE_MAX_BYTES) // 64 * 64
+        self.buffer = torch.ones(self.nbytes // 4)
+        huge_pages([self.buffer])
+        self.stream = tiled_linear.stream_sum()
+        self.fma, self.flops = tiled_linear.fma_peak()
+
+    def sample(self) -> None:
+        """One sample of each: the fastest of `PROBE_READS` calls (a read that an interrupt or
+        the threads' wake-up slowed says nothing about the phase)."""
+        if not self.enabled:
+            return
+        self.stream_gbps.append(self.nbytes / _fastest(lambda: self.stream(self.buffer)) / 1e9)
+        self.fma_gflops.append(self.flops / _fastest(self.fma) / 1e9)
+
+    def summary(self) -> dict | None:
+        """{"samples", "stream_gbps" and "fma_gflops" as [lowest, median, highest], "stream_mb"}."""
+        if not self.stream_gbps:
+            return None
+        spread = lambda v: [min(v), statistics.median(v), max(v)]  # noqa: E731
+        return {"samples": len(self.stream_gbps), "stream_mb": self.nbytes / 1e6,
+                "stream_gbps": spread(self.stream_gbps), "fma_gflops": spread(self.fma_gflops)}
 
 
 class _FirstTokenClock:
@@ -224,7 +295,10 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
     ttfts = [[[] for _ in encoded] for _ in built]
     outputs = [[None] * len(encoded) for _ in built]
     hist = [[] for _ in built]
-    for i, j in interleave(len(encoded), len(built), repeats):
+    speed = MachineSpeed(model)
+    for n, (i, j) in enumerate(interleave(len(encoded), len(built), repeats)):
+        if n % len(built) == 0:                                   # before each prompt's round
+            speed.sample()
         toks, dt, ttft, stats = built[j].gen(encoded[i])
         times[j][i].append(dt)
         ttfts[j][i].append(ttft)
@@ -233,6 +307,8 @@ def run_bench(model, tokenizer, prompts: list[str], methods: list[str], *, model
             hist[j].append(stats)
     if reference is None and sampling is None:
         reference = outputs[next(j for j, m in enumerate(built) if m.name == "hf-greedy")]
+    speed.sample()
+    result.machine = speed.summary()
     parts = _profile_together(built)
     for j, m in enumerate(built):
         result.runs.append(_figures(m, times[j], ttfts[j], outputs[j], hist[j], reference, parts.get(j)))
@@ -350,6 +426,16 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def machine_caption(machine: dict | None) -> str | None:
+    """The machine's speed during the passes (`MachineSpeed.summary()`), in a line."""
+    if not machine:
+        return None
+    (s0, s1, s2), (f0, f1, f2) = machine["stream_gbps"], machine["fma_gflops"]
+    return (f"machine between the prompts' rounds ({machine['samples']} samples, median and range): "
+            f"{machine['stream_mb']:.1f} MB streamed at {s1:.1f} GB/s ({s0:.1f}-{s2:.1f}), "
+            f"FMA peak {f1:.1f} GFLOP/s ({f0:.1f}-{f2:.1f})")
+
+
 def render(result: BenchResult):
     """A rich Table of the runs."""
     from rich.table import Table
@@ -357,7 +443,8 @@ def render(result: BenchResult):
     s = result.settings
     mode = "greedy" if s.get("greedy", True) else "sampling " + ", ".join(f"{k}={v}" for k, v in s["sampling"].items())
     t = Table(title=f"{result.model} on {result.device}: {s['prompts']} prompts x {s['max_new_tokens']} "
-                    f"new tokens, {mode}, median of {s['repeats']} interleaved after {s['warmup']} warm-up")
+                    f"new tokens, {mode}, median of {s['repeats']} interleaved after {s['warmup']} warm-up",
+              caption=machine_caption(result.machine))
     base = "hf-greedy" if s.get("greedy", True) else "hf-sample"
     for col in ("method", "tok/s", f"vs {base}", "TTFT ms", "TPOT ms", "accepted/call", "acceptance by position",
                 "draft ms", "verify ms", "peak MiB", "exact", "compile s"):

@@ -308,7 +308,8 @@ def test_profile_times_the_parts_of_every_drafter(checkpoint, draft):
 
 def test_bench_interleaves_methods_in_a_new_order_for_each_prompt(checkpoint, monkeypatch):
     """Every repeat runs each prompt through every method, in a seeded order that changes, so a
-    drift in the machine's speed reaches each method alike; warm-ups run before the first round."""
+    drift in the machine's speed reaches each method alike; warm-ups run before the first round.
+    The machine's stream and FMA speeds are sampled between the rounds and printed under the table."""
     from specfx import bench
     from specfx.cli.common import load_model
 
@@ -332,3 +333,7 @@ def test_bench_interleaves_methods_in_a_new_order_for_each_prompt(checkpoint, mo
     assert [{w for _, w in group} for group in timed] == [{w} for w in widths * 3]   # a prompt at a time
     assert all(sorted(m for m, _ in group) == sorted(methods) for group in timed)    # every method once
     assert len({tuple(m for m, _ in group) for group in timed}) > 1                   # in changing orders
+    speed = result.machine                           # sampled before each prompt's round and after the last
+    assert speed["samples"] == 3 * len(prompts) + 1 and speed["stream_mb"] > 0
+    assert all(0 < lo <= mid <= hi for lo, mid, hi in (speed["stream_gbps"], speed["fma_gflops"]))
+    assert f"FMA peak {speed['fma_gflops'][1]:.1f} GFLOP/s" in bench.render(result).caption
