@@ -7,20 +7,30 @@ each call of specfx's tiled kernels, records a profiler event), sets every state
 then profiles `--steps` steps of each, three times over in turn, and prints each kernel's
 calls a step, its median microseconds a call and its microseconds a step, per drafter.
 
+With `--split GBPS`, each round of profiles first reads the model's weight bytes with the
+header's `stream_sum` (in 2 MB pages, the fastest of three reads) and goes to the slow or the
+fast phase by that speed; rounds go on for up to `--seconds` until each phase has three (a
+phase that has them skips its rounds), and each phase gets its own table.
+
     python benchmarks/step_kernels.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--span 192] [--top 30]
+                                      [--split 42 --seconds 600]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from specfx import zoo
+from specfx.kernels import tiled_linear
 from specfx.matmul_choice import round_robin
+from specfx.roofline import linear_weights
+from specfx.runtime.memory import huge_pages
 from timing import at_span
 
 
@@ -30,6 +40,8 @@ def main() -> None:
     ap.add_argument("--span", type=int, default=192)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--split", type=float, help="GB/s between the slow and the fast phase (default: no phases)")
+    ap.add_argument("--seconds", type=float, default=600, help="with --split: the most time its rounds take")
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     model, tok = zoo.load("pycoder")
@@ -37,8 +49,22 @@ def main() -> None:
     runtimes = {d: at_span(model, tok, d, args.span).runtime for d in drafts}
     steps = round_robin({d: rt._step for d, rt in runtimes.items()}, 100)
     print("fused step, us (round-robin, median of 100): " + "  ".join(f"{d} {s * 1e6:.0f}" for d, s in steps.items()))
-    events: dict[tuple[str, str], list[float]] = {}
-    for _ in range(3):
+    read = stream_probe(model) if args.split else None
+    phases: dict[str, dict[tuple[str, str], list[float]]] = {}
+    rounds: dict[str, int] = {}
+    end = time.time() + args.seconds
+
+    def more() -> bool:         # three rounds; with phases, three of each, or the time is up
+        if read is None:
+            return sum(rounds.values()) < 3
+        return time.time() < end and (len(rounds) < 2 or min(rounds.values()) < 3)
+
+    while more():
+        phase = "all" if read is None else "slow" if read() < args.split else "fast"
+        if rounds.get(phase, 0) >= 3:
+            continue
+        rounds[phase] = rounds.get(phase, 0) + 1
+        events = phases.setdefault(phase, {})
         for d, rt in runtimes.items():
             with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
@@ -46,19 +72,45 @@ def main() -> None:
             for e in prof.events():
                 if not e.name.startswith(("aten::", "ProfilerStep")):
                     events.setdefault((d, e.name[:70]), []).append(e.cpu_time_total)
-    n = 3 * args.steps
+    for phase, events in phases.items():
+        if phase != "all":
+            print(f"{phase} phase (the stream {'below' if phase == 'slow' else 'at or above'} {args.split:g} GB/s): "
+                  f"{rounds[phase]} rounds")
+        table(events, drafts, rounds[phase] * args.steps, args.top)
+
+
+def stream_probe(model):
+    """A call that reads `model`'s weight bytes with the header's `stream_sum` (in 2 MB pages)
+    and returns the fastest of three reads' GB/s."""
+    nbytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
+    flat = torch.ones(nbytes // 4)
+    huge_pages([flat])
+    stream = tiled_linear.stream_sum()
+
+    def read() -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            stream(flat)
+            best = min(best, time.perf_counter() - t)
+        return nbytes / best / 1e9
+
+    return read
+
+
+def table(events: dict, drafts: list[str], n: int, top: int) -> None:
+    """Each kernel's calls a step, median us a call and us a step, per drafter, over `n` steps each."""
     print("kernel events a step, us: " + "  ".join(
         f"{d} {sum(sum(v) for (dd, _), v in events.items() if dd == d) / n:.0f}" for d in drafts))
     names = sorted({name for _, name in events}, key=lambda k: -max(sum(events.get((d, k), [0])) for d in drafts))
     print(f"{'kernel':<70} " + "  ".join(f"{d[:28]:>28}" for d in drafts))
     print(f"{'':<70} " + "  ".join(f"{'calls  us/call  us/step':>28}" for _ in drafts))
-    for name in names[: args.top]:
+    for name in names[:top]:
         cells = []
         for d in drafts:
             ts = events.get((d, name), [])
             cells.append(f"{len(ts) / n:5.1f} {statistics.median(ts) if ts else 0:8.1f} {sum(ts) / n:9.1f}".rjust(28))
         print(f"{name:<70} " + "  ".join(cells))
-
 
 if __name__ == "__main__":
     main()

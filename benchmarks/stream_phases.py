@@ -1,0 +1,70 @@
+"""Each drafter's fused step on pycoder against the machine's weight stream, phase by phase.
+
+On a shared virtual machine the memory's speed moves between phases. This compiles each
+drafter spec, sets its state to a `--span`-slot span after 64 generated tokens, and times, in
+`--repeats` sets of `--rounds` round-robin rounds (median of each), every step together with a
+read of the model's weight bytes by the header's `stream_sum` (in 2 MB pages, as the steps'
+weights are). Each set prints the stream's GB/s beside the steps' ms; then the sets are grouped
+by that speed (below and above `--split` GB/s) and each group's medians printed, with the last
+spec's step less the one before it.
+
+    python benchmarks/stream_phases.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--repeats 40] [--split 42]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from specfx import zoo
+from specfx.kernels import tiled_linear
+from specfx.matmul_choice import machine
+from specfx.roofline import linear_weights
+from specfx.runtime.memory import huge_pages
+from timing import at_span, round_args, timed_rounds
+
+STREAM = "stream"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafts", default="none,mtp:pycoder-mtp:tree=1x1x1,mtp")
+    ap.add_argument("--span", type=int, default=192, help="cache slots a step reads")
+    ap.add_argument("--split", type=float, default=42.0, help="GB/s between the slow and the fast sets")
+    round_args(ap)
+    ap.set_defaults(repeats=40)
+    args = ap.parse_args()
+    model, tok = zoo.load("pycoder")
+    nbytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
+    flat = torch.ones(nbytes // 4)
+    huge_pages([flat])
+    stream = tiled_linear.stream_sum()
+    drafts = args.drafts.split(",")
+    calls = {STREAM: lambda: stream(flat)}
+    for spec in drafts:
+        calls[spec] = at_span(model, tok, spec, args.span).runtime._step
+    print(f"{machine()}; {nbytes / 1e6:.1f} MB streamed and fused steps at a {args.span}-slot span, ms, "
+          f"median of {args.rounds} rounds a set")
+    runs = timed_rounds(calls, args.rounds, args.repeats, str)
+    for r in runs:
+        r["gbps"] = nbytes / r[STREAM] / 1e6
+    print(f"by the stream's speed (below / above {args.split:g} GB/s), medians over the sets:")
+    for name, group in (("slow", [r for r in runs if r["gbps"] < args.split]),
+                        ("fast", [r for r in runs if r["gbps"] >= args.split])):
+        if not group:
+            continue
+        med = {key: statistics.median(r[key] for r in group) for key in ["gbps", *drafts]}
+        diff = statistics.median(r[drafts[-1]] - r[drafts[-2]] for r in group) if len(drafts) > 1 else 0.0
+        print(f"  {name}: {len(group)} sets, stream {med['gbps']:.1f} GB/s  "
+              + "  ".join(f"{d} {med[d]:.3f}" for d in drafts) + f"  {drafts[-1]} less {drafts[-2]} {diff:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine(), span=args.span, rounds=args.rounds, stream_mb=nbytes / 1e6,
+                           runs=runs), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
