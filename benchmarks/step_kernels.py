@@ -7,10 +7,11 @@ each call of specfx's tiled kernels, records a profiler event), sets every state
 then profiles `--steps` steps of each, three times over in turn, and prints each kernel's
 calls a step, its median microseconds a call and its microseconds a step, per drafter.
 
-With `--split GBPS`, each round of profiles first reads the model's weight bytes with the
-header's `stream_sum` (in 2 MB pages, the fastest of three reads) and goes to the slow or the
-fast phase by that speed; rounds go on for up to `--seconds` until each phase has three (a
-phase that has them skips its rounds), and each phase gets its own table.
+With `--split GBPS`, each round of profiles first samples the machine as `specfx bench` does
+(`bench.MachineSpeed`: the model's weight bytes read by the header's `stream_sum`, the fastest
+of three reads) and goes to the slow or the fast phase by the stream's speed; rounds go on for
+up to `--seconds` until each phase has three (a phase that has them skips its rounds), and each
+phase gets its own table.
 
     python benchmarks/step_kernels.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--span 192] [--top 30]
                                       [--split 42 --seconds 600]
@@ -27,10 +28,8 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from specfx import zoo
-from specfx.kernels import tiled_linear
+from specfx.bench import MachineSpeed
 from specfx.matmul_choice import round_robin
-from specfx.roofline import linear_weights
-from specfx.runtime.memory import huge_pages
 from timing import at_span
 
 
@@ -49,18 +48,20 @@ def main() -> None:
     runtimes = {d: at_span(model, tok, d, args.span).runtime for d in drafts}
     steps = round_robin({d: rt._step for d, rt in runtimes.items()}, 100)
     print("fused step, us (round-robin, median of 100): " + "  ".join(f"{d} {s * 1e6:.0f}" for d, s in steps.items()))
-    read = stream_probe(model) if args.split else None
+    speed = MachineSpeed(model) if args.split else None
     phases: dict[str, dict[tuple[str, str], list[float]]] = {}
     rounds: dict[str, int] = {}
     end = time.time() + args.seconds
 
     def more() -> bool:         # three rounds; with phases, three of each, or the time is up
-        if read is None:
+        if speed is None:
             return sum(rounds.values()) < 3
         return time.time() < end and (len(rounds) < 2 or min(rounds.values()) < 3)
 
     while more():
-        phase = "all" if read is None else "slow" if read() < args.split else "fast"
+        if speed is not None:
+            speed.sample()
+        phase = "all" if speed is None else "slow" if speed.stream_gbps[-1] < args.split else "fast"
         if rounds.get(phase, 0) >= 3:
             continue
         rounds[phase] = rounds.get(phase, 0) + 1
@@ -79,25 +80,6 @@ def main() -> None:
         table(events, drafts, rounds[phase] * args.steps, args.top)
 
 
-def stream_probe(model):
-    """A call that reads `model`'s weight bytes with the header's `stream_sum` (in 2 MB pages)
-    and returns the fastest of three reads' GB/s."""
-    nbytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
-    flat = torch.ones(nbytes // 4)
-    huge_pages([flat])
-    stream = tiled_linear.stream_sum()
-
-    def read() -> float:
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            stream(flat)
-            best = min(best, time.perf_counter() - t)
-        return nbytes / best / 1e9
-
-    return read
-
-
 def table(events: dict, drafts: list[str], n: int, top: int) -> None:
     """Each kernel's calls a step, median us a call and us a step, per drafter, over `n` steps each."""
     print("kernel events a step, us: " + "  ".join(
@@ -111,6 +93,7 @@ def table(events: dict, drafts: list[str], n: int, top: int) -> None:
             ts = events.get((d, name), [])
             cells.append(f"{len(ts) / n:5.1f} {statistics.median(ts) if ts else 0:8.1f} {sum(ts) / n:9.1f}".rjust(28))
         print(f"{name:<70} " + "  ".join(cells))
+
 
 if __name__ == "__main__":
     main()

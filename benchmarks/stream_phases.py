@@ -17,13 +17,9 @@ import argparse
 import json
 import statistics
 
-import torch
-
 from specfx import zoo
-from specfx.kernels import tiled_linear
+from specfx.bench import MachineSpeed
 from specfx.matmul_choice import machine
-from specfx.roofline import linear_weights
-from specfx.runtime.memory import huge_pages
 from timing import at_span, round_args, timed_rounds
 
 STREAM = "stream"
@@ -38,12 +34,10 @@ def main() -> None:
     ap.set_defaults(repeats=40)
     args = ap.parse_args()
     model, tok = zoo.load("pycoder")
-    nbytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
-    flat = torch.ones(nbytes // 4)
-    huge_pages([flat])
-    stream = tiled_linear.stream_sum()
+    speed = MachineSpeed(model)                 # its buffer of the weight bytes, in 2 MB pages
+    nbytes = speed.nbytes
     drafts = args.drafts.split(",")
-    calls = {STREAM: lambda: stream(flat)}
+    calls = {STREAM: lambda: speed.stream(speed.buffer)}
     for spec in drafts:
         calls[spec] = at_span(model, tok, spec, args.span).runtime._step
     print(f"{machine()}; {nbytes / 1e6:.1f} MB streamed and fused steps at a {args.span}-slot span, ms, "

@@ -103,10 +103,10 @@ class MachineSpeed:
     `PROBE_MAX_BYTES`, in 2 MB pages as a compiled step's weights are: `huge_pages`), and the
     GFLOP/s of its `fma_peak` (register-only multiply-adds), both on Inductor's thread count.
 
-    On a shared virtual machine both can drift between phases (the README's "Draft trees": a
-    2-core AMD EPYC's stream moved by half between runs minutes apart): a step over few rows is
-    held by the bytes it reads, one over many rows by its multiply-adds, so which phase a table
-    ran in decides how the two compare.
+    On a shared virtual machine both can drift between phases (a 2-core AMD EPYC's stream read a
+    median of 54.1 GB/s in one bench run and 34.7 in the next: the README's "Draft trees"): a
+    step over few rows is held by the bytes it reads, one over many rows by its multiply-adds,
+    so which phase a table ran in decides how the two compare.
     `sample()` costs three reads of the buffer and about 1 ms of multiply-adds.
     None of this on a GPU, without the compiled header, or for weights other than float32."""
 

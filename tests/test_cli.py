@@ -31,7 +31,8 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys, monkeypatch):
                "--backend", "eager", "-k", "3", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert set(data) == {"model", "device", "settings", "runs"}
+    assert set(data) == {"model", "device", "settings", "runs", "machine"}
+    assert data["machine"]["samples"] == 3 and data["machine"]["stream_gbps"][1] > 0   # 2 prompts' rounds, then one more
     names = [r["name"] for r in data["runs"]]
     assert names == ["hf-greedy", "hf-early-exit:1", "specfx:none", "specfx:early-exit:2"]
     for r in data["runs"]:
