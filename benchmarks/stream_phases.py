@@ -5,8 +5,8 @@ drafter spec, sets its state to a `--span`-slot span after 64 generated tokens, 
 `--repeats` sets of `--rounds` round-robin rounds (median of each), every step together with a
 read of the model's weight bytes by the header's `stream_sum` (in 2 MB pages, as the steps'
 weights are). Each set prints the stream's GB/s beside the steps' ms; then the sets are grouped
-by that speed (below and above `--split` GB/s) and each group's medians printed, with the last
-spec's step less the one before it.
+by that speed (below and above `--split` GB/s) and each group's medians printed, with the median
+over its sets of the last spec's step less the one before it.
 
     python benchmarks/stream_phases.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--repeats 40] [--split 42]
 """
