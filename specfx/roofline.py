@@ -100,12 +100,14 @@ def probes(weights: list[torch.Tensor]) -> dict:
     """probe name -> a call that reads these weights' bytes (see the module docstring)."""
     from specfx.matmul_choice import chains
     from specfx.runtime.compile import compile_graph
+    from specfx.runtime.memory import huge_pages
 
     names = {"tiled": "tiled kernel", "reduce": "skinny reduction", "blas": "BLAS"}
     out = {f"linears, {names[kernel]}": call for kernel, call in chains(weights, 1).items()}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flat = torch.empty(nbytes // weights[0].element_size(), dtype=weights[0].dtype,
                        device=weights[0].device).normal_()
+    huge_pages([flat])      # in 2 MB pages from the first read, as a compiled step's weights are
     gm = fx.symbolic_trace(lambda x: x.sum())
     with torch.no_grad(), torch._inductor.config.patch(CPU_INDUCTOR):
         total = torch._inductor.compile(gm, [flat])

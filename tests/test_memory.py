@@ -74,3 +74,20 @@ def test_a_compiled_cpu_graph_backs_its_weights_with_huge_pages(monkeypatch):
     torch.testing.assert_close(graph(x), lin(x))
     graph(x)
     assert len(seen) == 1 and {id(t) for t in seen[0]} >= {id(lin.weight), id(lin.bias), id(x)}
+
+
+def test_the_roofline_reads_its_flat_probe_from_huge_pages(monkeypatch):
+    """The roofline's flat buffer (the probes that read the weights' bytes as one stream) goes to
+    `huge_pages` when it is made, before any probe reads it: the steps' weights are in 2 MB pages,
+    and a first read in 4 KB pages would understate the machine's stream."""
+    import specfx.matmul_choice as mc
+    from specfx import roofline
+
+    seen = []
+    monkeypatch.setattr(memory, "huge_pages", lambda ts: seen.extend(ts))
+    monkeypatch.setattr(mc, "chains", lambda weights, rows: {})               # no per-linear probes
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, args: gm)     # the flat sum, eager
+    weights = [torch.randn(256, 64), torch.randn(64, 256)]
+    calls = roofline.probes(weights)
+    assert "flat sum" in calls and len(seen) == 1
+    assert seen[0].numel() == sum(w.numel() for w in weights) and seen[0].dtype == torch.float32
