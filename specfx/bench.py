@@ -136,12 +136,18 @@ class MachineSpeed:
         self.fma_gflops.append(self.flops / _fastest(self.fma) / 1e9)
 
     def summary(self) -> dict | None:
-        """{"samples", "stream_gbps" and "fma_gflops" as [lowest, median, highest], "stream_mb"}."""
+        """{"samples", "stream_gbps", "fma_gflops" and "ridge_rows" as [lowest, median, highest],
+        "stream_mb"}. A sample's ridge is the query rows at which a pass over float32 weights
+        (two FLOPs a row for every four bytes read) needs as long for its multiply-adds at the
+        FMA peak as for its bytes at the stream's speed, 2 x GFLOP/s / GB/s: a pass over fewer
+        rows is held by the stream, one over more by the multiply-adds."""
         if not self.stream_gbps:
             return None
         spread = lambda v: [min(v), statistics.median(v), max(v)]  # noqa: E731
+        ridge = [2 * f / s for s, f in zip(self.stream_gbps, self.fma_gflops)]
         return {"samples": len(self.stream_gbps), "stream_mb": self.nbytes / 1e6,
-                "stream_gbps": spread(self.stream_gbps), "fma_gflops": spread(self.fma_gflops)}
+                "stream_gbps": spread(self.stream_gbps), "fma_gflops": spread(self.fma_gflops),
+                "ridge_rows": spread(ridge)}
 
 
 class _FirstTokenClock:
@@ -431,9 +437,11 @@ def machine_caption(machine: dict | None) -> str | None:
     if not machine:
         return None
     (s0, s1, s2), (f0, f1, f2) = machine["stream_gbps"], machine["fma_gflops"]
+    r0, r1, r2 = machine["ridge_rows"]
     return (f"machine between the prompts' rounds ({machine['samples']} samples, median and range): "
             f"{machine['stream_mb']:.1f} MB streamed at {s1:.1f} GB/s ({s0:.1f}-{s2:.1f}), "
-            f"FMA peak {f1:.1f} GFLOP/s ({f0:.1f}-{f2:.1f})")
+            f"FMA peak {f1:.1f} GFLOP/s ({f0:.1f}-{f2:.1f}); ridge {r1:.1f} rows ({r0:.1f}-{r2:.1f}): "
+            f"a pass over the weights with fewer query rows is held by the stream, with more by the multiply-adds")
 
 
 def render(result: BenchResult):

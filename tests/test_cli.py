@@ -33,6 +33,7 @@ def test_bench_json_has_every_field(checkpoint, tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert set(data) == {"model", "device", "settings", "runs", "machine"}
     assert data["machine"]["samples"] == 3 and data["machine"]["stream_gbps"][1] > 0   # 2 prompts' rounds, then one more
+    assert set(data["machine"]) == {"samples", "stream_mb", "stream_gbps", "fma_gflops", "ridge_rows"}
     names = [r["name"] for r in data["runs"]]
     assert names == ["hf-greedy", "hf-early-exit:1", "specfx:none", "specfx:early-exit:2"]
     for r in data["runs"]:
@@ -336,5 +337,9 @@ def test_bench_interleaves_methods_in_a_new_order_for_each_prompt(checkpoint, mo
     assert len({tuple(m for m, _ in group) for group in timed}) > 1                   # in changing orders
     speed = result.machine                           # sampled before each prompt's round and after the last
     assert speed["samples"] == 3 * len(prompts) + 1 and speed["stream_mb"] > 0
-    assert all(0 < lo <= mid <= hi for lo, mid, hi in (speed["stream_gbps"], speed["fma_gflops"]))
-    assert f"FMA peak {speed['fma_gflops'][1]:.1f} GFLOP/s" in bench.render(result).caption
+    assert all(0 < lo <= mid <= hi for lo, mid, hi in (speed["stream_gbps"], speed["fma_gflops"], speed["ridge_rows"]))
+    (s0, _, s2), (f0, _, f2) = speed["stream_gbps"], speed["fma_gflops"]
+    assert 2 * f0 / s2 <= speed["ridge_rows"][0] and speed["ridge_rows"][2] <= 2 * f2 / s0
+    caption = bench.render(result).caption
+    assert f"FMA peak {speed['fma_gflops'][1]:.1f} GFLOP/s" in caption
+    assert f"ridge {speed['ridge_rows'][1]:.1f} rows" in caption
