@@ -20,11 +20,11 @@ How it measures (printed with every table):
   one step in a row (the first reads its weights cold, as after a verify pass);
 - peak memory = over a method's warm-up, the CUDA allocator peak, or on CPU the process's peak
   RSS (kernel high-water mark), which includes the methods built before it;
-- the machine's speed during the passes (the CPU, float32 weights: `MachineSpeed`): after each
-  prompt's round of methods, a read of the model's weight bytes by the header's hand-written
-  stream and its register-only FMA loop, so that a table says which phase it ran in (the floor
-  of a step over few rows is its bytes at the first, of one over many rows its multiply-adds at
-  the second).
+- the machine's speed during the passes (the CPU, float32 weights: `MachineSpeed`): before each
+  prompt's round of methods and after the last, a read of the model's weight bytes by the
+  header's hand-written stream and its register-only FMA loop, so that a table says which phase
+  it ran in (the floor of a step over few rows is its bytes at the first, of one over many rows
+  its multiply-adds at the second), and the ridge between the two in query rows.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 // 864 x 320 matrix (63 MB; pycoder's float32 weights are 64.7 MB), one `linear` call a copy, at
 // 1, 4, 8, 12 and 16 rows, two threads; with `cache`, one copy (1.1 MB: half in each core's L2)
 // called 57 times; with `huge`, the 57 copies in one buffer in 2 MB pages (as a compiled step's
-// weights are: `runtime.memory.huge_pages`; transparent huge pages in "madvise" or "always" mode). Builds of `tiled_linear.h` side by side in one process (each in its own
-// namespace), round-robin, median of 300 rounds; prints ms, GB/s and GFLOP/s for each.
+// weights are: `runtime.memory.huge_pages`; transparent huge pages in "madvise" or "always"
+// mode). Builds of `tiled_linear.h` side by side in one process (each in its own namespace),
+// round-robin, median of 300 rounds; prints ms, GB/s and GFLOP/s for each.
 // One build (the current header):
 //   H=$PWD/specfx/kernels/tiled_linear.h
 //   g++ -O3 -march=native -fopenmp -std=c++17 -c -DHDR="\"$H\"" -DNS=ns_a -DFN=run_a benchmarks/kernels/stream_rows.cpp -o /tmp/a.o
