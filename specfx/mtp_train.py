@@ -2,12 +2,14 @@
 
 The head is of any layout in `specfx.heads` (`MTPTrainConfig.arch`: specfx's own `DraftHead`,
 `eagle`, `eagle3`, `deepseek-mtp`) and trains through the interface they share. The target is
-frozen; only the head's parameters train. For each window of tokens the outputs of the target
-layers the head taps, and of its last layer, are computed once and kept in bfloat16
-(`precompute`). The head's h_i is its combiner over the tapped outputs at position i: the last
-layer's output itself (specfx), the target's final norm of it (eagle, deepseek-mtp), or
-EAGLE-3's `fc` over three layers, which trains and so is applied in the loss. The head at
-position i reads (t_{i+1}, h_i) and is trained (`head_loss`) with
+frozen; only the head's parameters train. The windows are the corpus's, and optionally the
+target's own greedy continuations of corpus prefixes (`greedy_windows`: the kind of text a head
+drafts at inference). For each window of tokens the outputs of the target layers the head taps,
+and of its last layer, are computed once and kept in bfloat16 (`precompute`). The head's h_i is
+its combiner over the tapped outputs at position i: the last layer's output itself (specfx), the
+target's final norm of it (eagle, deepseek-mtp), or EAGLE-3's `fc` over three layers, which
+trains and so is applied in the loss. The head at position i reads (t_{i+1}, h_i) and is
+trained (`head_loss`) with
 
 - cross-entropy against the target's own next-token distribution at i+1, softmax(lm_head(norm(h_{i+1})))
   with h the last layer's output (the target's predictions, not the data: acceptance is agreement
@@ -46,7 +48,7 @@ class MTPTrainConfig:
     steps: int = 5000
     batch_size: int = 8
     seq_len: int = 256
-    windows: int = 12288             # windows of target hidden states precomputed and reused
+    windows: int = 12288             # corpus windows of target hidden states, precomputed and reused
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
@@ -57,10 +59,15 @@ class MTPTrainConfig:
     arch: str = "specfx"             # the head's layout, one of specfx.heads.LAYOUTS
     draft_vocab: int | None = None   # eagle3 only: draft vocabulary size (None: the target's)
     chain_weight: float = 0.5        # weight of the second draft's cross-entropy (`head_loss`)
+    generated: int = 0               # more windows: the target's greedy continuations of corpus
+                                     # prefixes of seq_len // 4 tokens (`greedy_windows`)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 3 or self.windows < 1:
             raise ValueError("steps, batch_size, windows must be >= 1 and seq_len >= 3")
+        if self.generated < 0:
+            raise ValueError(f"generated (windows of the target's greedy continuations) must be >= 0, "
+                             f"got {self.generated}")
         if self.arch not in LAYOUTS:
             raise ValueError(f"arch must be one of {', '.join(LAYOUTS)}, got {self.arch!r}")
         if self.draft_vocab is not None and (self.arch != "eagle3" or self.draft_vocab < 1):
@@ -114,6 +121,27 @@ def precompute(target, windows: torch.Tensor, taps: tuple[int, ...], *, batch_si
             progress(min(i + batch_size, windows.shape[0]))
     tapped = torch.cat(tapped)
     return Features(tapped, tapped[..., -(tapped.shape[-1] // len(taps)):] if shared else torch.cat(last))
+
+
+@torch.no_grad()
+def greedy_windows(target, prefixes: torch.Tensor, seq_len: int, *, batch_size: int = 64,
+                   progress=None) -> torch.Tensor:
+    """Windows [N, seq_len]: each of `prefixes` [N, P] continued by the target's own greedy tokens
+    (end of sequence suppressed, so every window is full). A head drafts the target's greedy
+    text, which is not the corpus: it repeats itself far more (pycoder's continuations of
+    64-token corpus prefixes hold a median of 22 distinct tokens in 192)."""
+    device = next(target.parameters()).device
+    pad = getattr(target.generation_config, "pad_token_id", None)
+    out = []
+    for i in range(0, prefixes.shape[0], batch_size):
+        x = prefixes[i : i + batch_size].to(device)
+        new = seq_len - x.shape[1]
+        y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False, pad_token_id=pad)
+        out.append(y[:, :seq_len].cpu())
+        if progress is not None:
+            progress(min(i + batch_size, prefixes.shape[0]))
+    return torch.cat(out)
 
 
 def draft_vocabulary(windows: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import specfx
 from helpers import assert_greedy_equal, hf_greedy, tiny_checkpoint, tiny_model
 from specfx.cli.main import main
 from specfx.mtp import save_head, target_parts
-from specfx.mtp_train import MTPTrainConfig, draft_vocabulary, evaluate_head, fresh_head, train_head
+from specfx.mtp_train import MTPTrainConfig, draft_vocabulary, evaluate_head, fresh_head, greedy_windows, train_head
 
 ARCHS = {"eagle": None, "eagle3": 48, "deepseek-mtp": None}       # layout: draft vocabulary (of 64)
 
@@ -86,13 +86,31 @@ def test_train_config_refuses_an_unknown_layout_or_a_misplaced_draft_vocab():
         MTPTrainConfig(arch="medusa")
     with pytest.raises(ValueError, match="draft_vocab is the size of an eagle3 head's"):
         MTPTrainConfig(arch="eagle", draft_vocab=32)
+    with pytest.raises(ValueError, match="generated .* must be >= 0, got -1"):
+        MTPTrainConfig(generated=-1)
+
+
+def test_greedy_windows_continue_each_prefix_with_the_targets_greedy_tokens():
+    model = tiny_model("llama", layers=2, vocab=64, seed=5)
+    prefixes = torch.randint(3, 64, (5, 4), generator=torch.Generator().manual_seed(1))
+    # The first greedy token after prefix 0 is made the end of sequence: it must not end a window.
+    model.generation_config.eos_token_id = int(model(prefixes[:1]).logits[0, -1].argmax())
+    windows = greedy_windows(model, prefixes, 12, batch_size=2)
+    expected = prefixes.clone()
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(expected).logits[:, -1]
+            logits[:, model.generation_config.eos_token_id] = -float("inf")
+            expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], 1)
+    assert windows.shape == (5, 12)
+    assert torch.equal(windows, expected)
 
 
 def test_train_mtp_cli_writes_an_eagle3_head(tmp_path):
     model = tiny_checkpoint(tmp_path / "target", "llama", layers=4, seed=2)
     head_dir = tmp_path / "head"
     rc = main(["train", "mtp", "--target", str(tmp_path / "target"), "--out", str(head_dir), "--arch", "eagle3",
-               "--draft-vocab", "512", "--steps", "3", "--windows", "8", "--seq-len", "32", "--batch-size", "2",
+               "--draft-vocab", "512", "--steps", "3", "--windows", "8", "--generated", "0", "--seq-len", "32", "--batch-size", "2",
                "--eval-prompts", "1", "--threads", "1"])
     assert rc == 0
     config = json.loads((head_dir / "config.json").read_text())

@@ -15,9 +15,12 @@ def test_train_mtp_for_a_gpt_neox_target(tmp_path):
     model = tiny_checkpoint(tmp_path / "target", "gpt_neox", layers=2, seed=2)
     head_dir = tmp_path / "head"
     rc = main(["train", "mtp", "--target", str(tmp_path / "target"), "--out", str(head_dir), "--steps", "3",
-               "--windows", "8", "--seq-len", "32", "--batch-size", "2", "--eval-prompts", "1", "--threads", "1"])
+               "--windows", "8", "--generated", "2", "--seq-len", "32", "--batch-size", "2", "--eval-prompts", "1",
+               "--threads", "1"])
     assert rc == 0
     config = json.loads((head_dir / "config.json").read_text())
+    assert config["train"]["config"]["generated"] == 2
+    assert "--generated 2" in (head_dir / "README.md").read_text()
     assert config["target"]["model_type"] == "gpt_neox"
     assert config["target"]["layer_type"] == "GPTNeoXLayer"
     assert config["train"]["acceptance"]["target_calls"] > 0

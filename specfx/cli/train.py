@@ -30,6 +30,9 @@ def add_parser(sub):
     p.add_argument("--target", default=None, help="mtp only: the zoo model or checkpoint the head drafts for")
     p.add_argument("--windows", type=int, default=None,
                    help="mtp only: windows of target hidden states to precompute (default: the shipped head's)")
+    p.add_argument("--generated", type=int, default=None,
+                   help="mtp only: also train on this many windows of the target's own greedy continuations "
+                        "of training-corpus prefixes (default: the shipped head's)")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="mtp only: evaluation prompts over which the head's acceptance is measured")
     p.add_argument("--arch", choices=LAYOUTS, default="specfx",
@@ -91,7 +94,8 @@ def run(args) -> int:
                          batch_size=args.batch_size or shipped.batch_size, seq_len=args.seq_len,
                          lr=args.lr or shipped.lr, windows=args.windows or shipped.windows,
                          regression_weight=args.regression_weight, seed=args.seed, num_prompts=args.eval_prompts,
-                         arch=args.arch, draft_vocab=args.draft_vocab, chain_weight=chain)
+                         arch=args.arch, draft_vocab=args.draft_vocab, chain_weight=chain,
+                         generated=shipped.generated if args.generated is None else args.generated)
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(

@@ -201,9 +201,13 @@ def build_mtp(target: str | Path, out: str | Path, *, threads: int | None = None
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     train_files, heldout_files = corpus.split(corpus.list_files())
     cfg = MTPTrainConfig(**train_kwargs)
-    windows = sample_windows(corpus.token_stream(tok, train_files), cfg.windows, cfg.seq_len, cfg.seed)
-    out.mkdir(parents=True, exist_ok=True)
+    stream = corpus.token_stream(tok, train_files)
     t0 = time.perf_counter()
+    windows = sample_windows(stream, cfg.windows, cfg.seq_len, cfg.seed)
+    if cfg.generated:
+        prefixes = sample_windows(stream, cfg.generated, cfg.seq_len // 4, cfg.seed + 2)
+        windows = torch.cat([windows, _generate_windows(model, prefixes, cfg.seq_len, progress)])
+    out.mkdir(parents=True, exist_ok=True)
     head, curve = train_head(model, windows, cfg, log_path=out / "train_log.json", progress=progress)
     train_s = time.perf_counter() - t0
     heldout = sample_windows(corpus.token_stream(tok, heldout_files), 64, cfg.seq_len, cfg.seed + 1)
@@ -225,6 +229,19 @@ def build_mtp(target: str | Path, out: str | Path, *, threads: int | None = None
     (out / "train_log.json").write_text(json.dumps({"config": asdict(cfg), "curve": curve}, indent=1))
     (out / "README.md").write_text(mtp_card(out.name, info))
     return info
+
+
+def _generate_windows(model, prefixes: torch.Tensor, seq_len: int, progress: bool) -> torch.Tensor:
+    """`greedy_windows`, with a progress bar when `progress`."""
+    from rich.progress import Progress
+
+    from specfx.mtp_train import greedy_windows
+
+    if not progress:
+        return greedy_windows(model, prefixes, seq_len)
+    with Progress() as bar:
+        task = bar.add_task("greedy windows", total=prefixes.shape[0])
+        return greedy_windows(model, prefixes, seq_len, progress=lambda n: bar.update(task, completed=n))
 
 
 def measure_acceptance(model, head_dir: Path, prompts: list[str], tok, *, k: int,
@@ -263,8 +280,12 @@ own lm_head (the embedding, final norm and lm_head are the target's and are not 
 decoder layer -> RMSNorm -> the target's own lm_head (the embedding and lm_head are the target's).""",
     }[arch]
     arch_flag = ("" if arch == "specfx" else f" --arch {arch}") + f" --steps {cfg['steps']} --windows {cfg['windows']}"
+    if cfg.get("generated"):
+        arch_flag += f" --generated {cfg['generated']}"
     if cfg.get("chain_weight"):
         arch_flag += f" --chain-weight {cfg['chain_weight']}"
+    generated = (f" ({cfg['generated']} of them the target's own greedy continuations of {cfg['seq_len'] // 4}-token"
+                 f"\n  corpus prefixes, generated within the time below)" if cfg.get("generated") else "")
     chain = (f" + {cfg['chain_weight']} x the cross-entropy of a second draft reading the head's own output"
              if cfg.get("chain_weight") else "")
     return f"""# {name}
@@ -274,8 +295,8 @@ An MTP/EAGLE-style draft head for `{target}`, trained by `specfx train mtp --tar
 `config.json` records the target it fits (sizes and a signature of its weights).
 
 - parameters: {info['parameters']:,} (float32 safetensors)
-- training: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens over {cfg['windows']} precomputed
-  windows of the target's hidden states, seed {cfg['seed']}, {info['train_seconds'] / 60:.0f} min on
+- training: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens over {cfg['windows'] + cfg.get('generated', 0)} precomputed
+  windows of the target's hidden states{generated}, seed {cfg['seed']}, {info['train_seconds'] / 60:.0f} min on
   {info['threads']} CPU threads (torch {info['torch']}); loss: cross-entropy against the target's
   next-token distribution + {cfg['regression_weight']} x feature regression{chain}
 
