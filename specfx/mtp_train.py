@@ -61,6 +61,7 @@ class MTPTrainConfig:
     chain_weight: float = 0.5        # weight of the second draft's cross-entropy (`head_loss`)
     generated: int = 0               # more windows: the target's greedy continuations of corpus
                                      # prefixes of seq_len // 4 tokens (`greedy_windows`)
+    init: str | None = None          # a head (folder or zoo name) to train on from (`initial_head`)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 3 or self.windows < 1:
@@ -169,6 +170,22 @@ def fresh_head(target, cfg: MTPTrainConfig, windows: torch.Tensor) -> nn.Module:
     return head
 
 
+def initial_head(target, cfg: MTPTrainConfig) -> nn.Module:
+    """The head `cfg.init` (a folder, or a shipped head's name) that training goes on from, in
+    place of a fresh one: for `target` (`load_head` refuses another's) and of layout `cfg.arch`."""
+    from specfx import zoo
+    from specfx.mtp import load_head
+
+    path = Path(cfg.init)
+    if not path.is_dir() and cfg.init in zoo.names():
+        path = zoo.path(cfg.init)
+    head = load_head(path, target)
+    if head.layout != cfg.arch:
+        raise ValueError(f"the head to train on from ({cfg.init!r}) is of layout {head.layout!r}, "
+                         f"not {cfg.arch!r}: pass --arch {head.layout}")
+    return head
+
+
 def draft_ids(head: nn.Module) -> torch.Tensor | None:
     """The target ids a head's logits cover, where that is not the whole vocabulary: EAGLE-3's
     draft vocabulary `arange + d2t` (its logits are -inf elsewhere); None for the others."""
@@ -233,17 +250,17 @@ def lr_at(step: int, cfg: MTPTrainConfig) -> float:
 
 def train_head(target, windows: torch.Tensor, cfg: MTPTrainConfig, *, log_path: Path | None = None,
                progress: bool = True) -> tuple[nn.Module, list[dict]]:
-    """Train a new head of layout `cfg.arch` for the frozen `target` on token windows [N, T];
-    returns (head, curve)."""
+    """Train a head of layout `cfg.arch` (a new one, or `cfg.init`) for the frozen `target` on
+    token windows [N, T]; returns (head, curve)."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     parts = target_parts(target)
+    head = (initial_head(target, cfg) if cfg.init else fresh_head(target, cfg, windows)).float().train()
     frozen = [(p, p.requires_grad) for p in target.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     bar = _Progress(windows.shape[0] + cfg.steps) if progress else None
     device = next(target.parameters()).device
-    head = fresh_head(target, cfg, windows).float().train()
     feats = precompute(target, windows, head.taps(len(parts.layers)), progress=bar.precomputed if bar else None)
     windows = windows.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

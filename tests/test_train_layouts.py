@@ -5,6 +5,7 @@ and a trained head saved as a specfx checkpoint drafts exactly in the compiled s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,6 +80,18 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
     assert draft_vocabulary(windows, 6, 12).tolist() == [0, 1, 2, 5, 7, 9]
     with pytest.raises(ValueError, match="expected 1..12"):
         draft_vocabulary(windows, 13, 12)
+
+
+def test_training_goes_on_from_a_saved_head_of_its_layout(trained, tmp_path):
+    model, cfg, head, train, _ = trained
+    save_head(head, tmp_path / "head", model)
+    again, _ = train_head(model, train, replace(cfg, steps=1, lr=1e-12, init=str(tmp_path / "head")), progress=False)
+    for (name, before), after in zip(head.state_dict().items(), again.state_dict().values()):
+        assert torch.allclose(before.float(), after.float(), atol=1e-6), name
+    other = next(arch for arch in ARCHS if arch != cfg.arch)
+    with pytest.raises(ValueError, match=f"is of layout {cfg.arch!r}, not {other!r}"):
+        train_head(model, train, replace(cfg, arch=other, draft_vocab=ARCHS[other], init=str(tmp_path / "head")),
+                   progress=False)
 
 
 def test_train_config_refuses_an_unknown_layout_or_a_misplaced_draft_vocab():

@@ -21,6 +21,12 @@ def test_train_mtp_for_a_gpt_neox_target(tmp_path):
     config = json.loads((head_dir / "config.json").read_text())
     assert config["train"]["config"]["generated"] == 2
     assert "--generated 2" in (head_dir / "README.md").read_text()
+    rc = main(["train", "mtp", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "again"), "--init",
+               str(head_dir), "--steps", "1", "--windows", "8", "--seq-len", "32", "--batch-size", "2",
+               "--eval-prompts", "1", "--threads", "1"])
+    assert rc == 0
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["train"]["config"]["init"] == str(head_dir)
+    assert f"--init {head_dir}" in (tmp_path / "again" / "README.md").read_text()
     assert config["target"]["model_type"] == "gpt_neox"
     assert config["target"]["layer_type"] == "GPTNeoXLayer"
     assert config["train"]["acceptance"]["target_calls"] > 0

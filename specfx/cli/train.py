@@ -33,6 +33,9 @@ def add_parser(sub):
     p.add_argument("--generated", type=int, default=None,
                    help="mtp only: also train on this many windows of the target's own greedy continuations "
                         "of training-corpus prefixes (default: the shipped head's)")
+    p.add_argument("--init", default=None,
+                   help="mtp only: train on from this head (a folder, or a shipped head's name such as "
+                        "pycoder-mtp) instead of a fresh one; its layout must be --arch's")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="mtp only: evaluation prompts over which the head's acceptance is measured")
     p.add_argument("--arch", choices=LAYOUTS, default="specfx",
@@ -95,7 +98,8 @@ def run(args) -> int:
                          lr=args.lr or shipped.lr, windows=args.windows or shipped.windows,
                          regression_weight=args.regression_weight, seed=args.seed, num_prompts=args.eval_prompts,
                          arch=args.arch, draft_vocab=args.draft_vocab, chain_weight=chain,
-                         generated=shipped.generated if args.generated is None else args.generated)
+                         generated=shipped.generated if args.generated is None else args.generated,
+                         init=args.init)
         Console().print_json(json.dumps({"heldout": info["heldout"], "acceptance": info["acceptance"]}))
         return 0
     info = build(

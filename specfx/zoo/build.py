@@ -280,6 +280,8 @@ own lm_head (the embedding, final norm and lm_head are the target's and are not 
 decoder layer -> RMSNorm -> the target's own lm_head (the embedding and lm_head are the target's).""",
     }[arch]
     arch_flag = ("" if arch == "specfx" else f" --arch {arch}") + f" --steps {cfg['steps']} --windows {cfg['windows']}"
+    if cfg.get("init"):
+        arch_flag += f" --init {cfg['init']} --lr {cfg['lr']}"
     if cfg.get("generated"):
         arch_flag += f" --generated {cfg['generated']}"
     if cfg.get("chain_weight"):
