@@ -171,15 +171,12 @@ def fresh_head(target, cfg: MTPTrainConfig, windows: torch.Tensor) -> nn.Module:
 
 
 def initial_head(target, cfg: MTPTrainConfig) -> nn.Module:
-    """The head `cfg.init` (a folder, or a shipped head's name) that training goes on from, in
-    place of a fresh one: for `target` (`load_head` refuses another's) and of layout `cfg.arch`."""
-    from specfx import zoo
-    from specfx.mtp import load_head
+    """The head `cfg.init` (a folder in any layout `MTPHead` loads, or a shipped head's name) that
+    training goes on from, in place of a fresh one: for `target` (another's is refused) and of
+    layout `cfg.arch`."""
+    from specfx.drafters import MTPHead
 
-    path = Path(cfg.init)
-    if not path.is_dir() and cfg.init in zoo.names():
-        path = zoo.path(cfg.init)
-    head = load_head(path, target)
+    head = MTPHead(cfg.init).load(target)
     if head.layout != cfg.arch:
         raise ValueError(f"the head to train on from ({cfg.init!r}) is of layout {head.layout!r}, "
                          f"not {cfg.arch!r}: pass --arch {head.layout}")
