@@ -8,7 +8,13 @@ weights are). Each set prints the stream's GB/s beside the steps' ms; then the s
 by that speed (below and above `--split` GB/s) and each group's medians printed, with the median
 over its sets of the last spec's step less the one before it.
 
-    python benchmarks/stream_phases.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--repeats 40] [--split 42]
+With `--split-ns NS` each set also times the round trip of a cache line between the kernels'
+first two threads (`tiled_linear.handoff`, the fastest of three, before the set) and the sets
+are grouped by it instead: below NS the threads share a last-level cache ("near"), at or above
+it they do not ("far").
+
+    python benchmarks/stream_phases.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--repeats 40]
+                                       [--split 42 | --split-ns 150]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import statistics
 
 from specfx import zoo
 from specfx.bench import MachineSpeed
+from specfx.kernels import tiled_linear
 from specfx.matmul_choice import machine
 from timing import at_span, round_args, timed_rounds
 
@@ -30,6 +37,8 @@ def main() -> None:
     ap.add_argument("--drafts", default="none,mtp:pycoder-mtp:tree=1x1x1,mtp")
     ap.add_argument("--span", type=int, default=192, help="cache slots a step reads")
     ap.add_argument("--split", type=float, default=42.0, help="GB/s between the slow and the fast sets")
+    ap.add_argument("--split-ns", type=float,
+                    help="group by the threads' round trip instead: ns between the near and the far sets")
     round_args(ap)
     ap.set_defaults(repeats=40)
     args = ap.parse_args()
@@ -42,22 +51,40 @@ def main() -> None:
         calls[spec] = at_span(model, tok, spec, args.span).runtime._step
     print(f"{machine()}; {nbytes / 1e6:.1f} MB streamed and fused steps at a {args.span}-slot span, ms, "
           f"median of {args.rounds} rounds a set")
-    runs = timed_rounds(calls, args.rounds, args.repeats, str)
-    for r in runs:
-        r["gbps"] = nbytes / r[STREAM] / 1e6
-    print(f"by the stream's speed (below / above {args.split:g} GB/s), medians over the sets:")
-    for name, group in (("slow", [r for r in runs if r["gbps"] < args.split]),
-                        ("fast", [r for r in runs if r["gbps"] >= args.split])):
+    trip = tiled_linear.handoff() if args.split_ns else None
+    if trip is not None and trip() is None:
+        ap.error("--split-ns times a round trip between two threads: run on two or more")
+    runs = []
+    for _ in range(args.repeats):                  # a set at a time, each after its round trip
+        ns = min(trip() for _ in range(3)) if trip else None
+        if ns is not None:
+            print(f"round trip {ns:.0f} ns  ", end="")
+        run = timed_rounds(calls, args.rounds, 1, str)[0]
+        run["gbps"] = nbytes / run[STREAM] / 1e6
+        if ns is not None:
+            run["handoff_ns"] = ns
+        runs.append(run)
+    if args.split_ns:
+        print(f"by the threads' round trip (below / at or above {args.split_ns:g} ns), medians over the sets:")
+        groups = (("near", [r for r in runs if r["handoff_ns"] < args.split_ns]),
+                  ("far", [r for r in runs if r["handoff_ns"] >= args.split_ns]))
+    else:
+        print(f"by the stream's speed (below / above {args.split:g} GB/s), medians over the sets:")
+        groups = (("slow", [r for r in runs if r["gbps"] < args.split]),
+                  ("fast", [r for r in runs if r["gbps"] >= args.split]))
+    for name, group in groups:
         if not group:
             continue
-        med = {key: statistics.median(r[key] for r in group) for key in ["gbps", *drafts]}
+        keys = ["gbps", *drafts] + (["handoff_ns"] if args.split_ns else [])
+        med = {key: statistics.median(r[key] for r in group) for key in keys}
         diff = statistics.median(r[drafts[-1]] - r[drafts[-2]] for r in group) if len(drafts) > 1 else 0.0
-        print(f"  {name}: {len(group)} sets, stream {med['gbps']:.1f} GB/s  "
+        print(f"  {name}: {len(group)} sets, stream {med['gbps']:.1f} GB/s"
+              + (f", round trip {med['handoff_ns']:.0f} ns" if args.split_ns else "") + "  "
               + "  ".join(f"{d} {med[d]:.3f}" for d in drafts) + f"  {drafts[-1]} less {drafts[-2]} {diff:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), span=args.span, rounds=args.rounds, stream_mb=nbytes / 1e6,
-                           runs=runs), f, indent=1)
+                           split_ns=args.split_ns, runs=runs), f, indent=1)
 
 
 if __name__ == "__main__":

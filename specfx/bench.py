@@ -24,7 +24,9 @@ How it measures (printed with every table):
   prompt's round of methods and after the last, a read of the model's weight bytes by the
   header's hand-written stream and its register-only FMA loop, so that a table says which phase
   it ran in (the floor of a step over few rows is its bytes at the first, of one over many rows
-  its multiply-adds at the second), and the ridge between the two in query rows.
+  its multiply-adds at the second), the ridge between the two in query rows, and the round trip
+  of a cache line between the kernels' first two threads (where they sit: one last-level cache,
+  or two chiplets with a link to memory each, faster to stream and slower to hand values over).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class BenchResult:
 
 
 PROBE_READS = 3
+HANDOFF_TRIPS = 2000        # round trips a `handoff` sample times: under a millisecond
 
 
 def _fastest(call) -> float:
@@ -107,7 +110,13 @@ class MachineSpeed:
     median of 54.1 GB/s in one bench run and 34.7 in the next: the README's "Draft trees"): a
     step over few rows is held by the bytes it reads, one over many rows by its multiply-adds,
     so which phase a table ran in decides how the two compare.
-    `sample()` costs three reads of the buffer and about 1 ms of multiply-adds.
+    Which of those phases a run is in can be where the threads sit, so `sample()` also times
+    the round trip of a cache line between the kernels' first two threads (`handoff`): on a
+    2-core AMD EPYC, `benchmarks/stream_phases.py --split-ns 150` found two placements, 53 ns
+    at a median stream of 34.1 GB/s and 338 ns at 54.3 (their last-level caches, and links to
+    memory, apart; README, "Draft trees").
+    `sample()` costs three reads of the buffer, about 1 ms of multiply-adds and three times
+    `HANDOFF_TRIPS` round trips.
     None of this on a GPU, without the compiled header, or for weights other than float32."""
 
     def __init__(self, model):
@@ -116,7 +125,7 @@ class MachineSpeed:
         from specfx.runtime.memory import huge_pages
 
         weights = linear_weights(model)
-        self.stream_gbps, self.fma_gflops = [], []
+        self.stream_gbps, self.fma_gflops, self.handoff_ns = [], [], []
         self.enabled = (bool(weights) and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32
                         and tiled_linear.available()[0])
         if not self.enabled:
@@ -126,28 +135,37 @@ class MachineSpeed:
         huge_pages([self.buffer])
         self.stream = tiled_linear.stream_sum()
         self.fma, self.flops = tiled_linear.fma_peak()
+        self.handoff = tiled_linear.handoff(HANDOFF_TRIPS)
 
     def sample(self) -> None:
         """One sample of each: the fastest of `PROBE_READS` calls (a read that an interrupt or
-        the threads' wake-up slowed says nothing about the phase)."""
+        the threads' wake-up slowed says nothing about the phase); no round trip on one thread."""
         if not self.enabled:
             return
         self.stream_gbps.append(self.nbytes / _fastest(lambda: self.stream(self.buffer)) / 1e9)
         self.fma_gflops.append(self.flops / _fastest(self.fma) / 1e9)
+        trips = [ns for ns in (self.handoff() for _ in range(PROBE_READS)) if ns is not None]
+        if trips:
+            self.handoff_ns.append(min(trips))
 
     def summary(self) -> dict | None:
         """{"samples", "stream_gbps", "fma_gflops" and "ridge_rows" as [lowest, median, highest],
         "stream_mb"}. A sample's ridge is the query rows at which a pass over float32 weights
         (two FLOPs a row for every four bytes read) needs as long for its multiply-adds at the
         FMA peak as for its bytes at the stream's speed, 2 x GFLOP/s / GB/s: a pass over fewer
-        rows is held by the stream, one over more by the multiply-adds."""
+        rows is held by the stream, one over more by the multiply-adds. "handoff_ns": the round
+        trip's [lowest, median, highest] and "handoff_slow": how many samples took more than
+        twice the lowest (the threads placed apart for that share of the run); both None on one
+        thread."""
         if not self.stream_gbps:
             return None
         spread = lambda v: [min(v), statistics.median(v), max(v)]  # noqa: E731
         ridge = [2 * f / s for s, f in zip(self.stream_gbps, self.fma_gflops)]
+        trips = self.handoff_ns
         return {"samples": len(self.stream_gbps), "stream_mb": self.nbytes / 1e6,
                 "stream_gbps": spread(self.stream_gbps), "fma_gflops": spread(self.fma_gflops),
-                "ridge_rows": spread(ridge)}
+                "ridge_rows": spread(ridge), "handoff_ns": spread(trips) if trips else None,
+                "handoff_slow": sum(ns > 2 * min(trips) for ns in trips) if trips else None}
 
 
 class _FirstTokenClock:
@@ -438,10 +456,16 @@ def machine_caption(machine: dict | None) -> str | None:
         return None
     (s0, s1, s2), (f0, f1, f2) = machine["stream_gbps"], machine["fma_gflops"]
     r0, r1, r2 = machine["ridge_rows"]
+    trips = ""
+    if machine.get("handoff_ns"):
+        h0, h1, h2 = machine["handoff_ns"]
+        trips = (f"; a cache line between the first two threads and back {h1:.0f} ns ({h0:.0f}-{h2:.0f}), "
+                 f"over twice the fastest in {machine['handoff_slow']} of the samples")
     return (f"machine between the prompts' rounds ({machine['samples']} samples, median and range): "
             f"{machine['stream_mb']:.1f} MB streamed at {s1:.1f} GB/s ({s0:.1f}-{s2:.1f}), "
             f"FMA peak {f1:.1f} GFLOP/s ({f0:.1f}-{f2:.1f}); ridge {r1:.1f} rows ({r0:.1f}-{r2:.1f}): "
-            f"a pass over the weights with fewer query rows is held by the stream, with more by the multiply-adds")
+            f"a pass over the weights with fewer query rows is held by the stream, with more by the multiply-adds"
+            + trips)
 
 
 def render(result: BenchResult):

@@ -192,6 +192,21 @@ def test_the_roofline_stream_sums_what_torch_sums():
         stream(torch.randn(8, 8).T)
 
 
+def test_the_handoff_probe_times_round_trips_between_two_threads():
+    """`handoff`: on two threads, the mean round trip of a cache line between them, a positive
+    number of nanoseconds well under the spin limit's (the threads really alternated, neither
+    gave up waiting); on one thread there is no round trip to time."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        trips = [tiled_linear.handoff(500)() for _ in range(3)]
+        assert all(ns is not None and 0 < ns < 1e5 for ns in trips), trips
+        torch.set_num_threads(1)
+        assert tiled_linear.handoff(500)() is None
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gated_mlp_kernel_gates_what_the_linears_give(dtype):
     """`tiled_glu` is silu(gate) * up over what `tiled_linear` gives each weight, its exponential

@@ -13,11 +13,16 @@
 #ifndef SPECFX_TILED_LINEAR_H
 #define SPECFX_TILED_LINEAR_H
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
@@ -863,6 +868,54 @@ static float fma_peak(long iters, int threads) {
       for (int l = 0; l < V; l++) total += acc[j][l];
   }
   return total;
+}
+
+// Threads 0 and 1 of a parallel region pass one cache line back and forth `trips` times, each
+// waiting for the other's write before it writes: the mean nanoseconds of a round trip, or -1
+// where fewer than two threads run or a wait outlasts HANDOFF_SPINS reads (a thread descheduled:
+// more threads than cores). Not part of any step: the probe of how far apart the kernels' threads
+// sit. Every value one thread writes and the other reads in a step (a kernel's input written by
+// the kernel before, half of it by the other thread; an OpenMP join) waits out such a trip.
+// Where two threads share a last-level cache it takes tens of nanoseconds; between chiplets, each
+// with its own cache and its own link to memory, several times that.
+constexpr long HANDOFF_SPINS = 1L << 24;
+static double handoff(long trips, int threads) {
+  alignas(64) static std::atomic<long> turn;
+  double ns = -1;
+  turn.store(0);
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num();
+    // Wait until `turn` holds `want`; false where the other gave up, or this one does.
+    auto wait = [](long want) {
+      for (long spins = 0;; spins++) {
+        const long seen = turn.load(std::memory_order_acquire);
+        if (seen == want) return true;
+        if (seen < 0 || spins == HANDOFF_SPINS) {
+          turn.store(-1, std::memory_order_release);
+          return false;
+        }
+      }
+    };
+    if (omp_get_num_threads() >= 2 && trips > 0 && id < 2) {
+      bool done = true;
+      if (id == 1) {
+        turn.store(1, std::memory_order_release);
+        for (long i = 1; i <= trips && done; i++)
+          if ((done = wait(2 * i))) turn.store(2 * i + 1, std::memory_order_release);
+      } else if ((done = wait(1))) {
+        const auto start = std::chrono::steady_clock::now();
+        for (long i = 1; i <= trips && done; i++) {
+          turn.store(2 * i, std::memory_order_release);
+          done = wait(2 * i + 1);
+        }
+        if (done) ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / trips;
+      }
+    }
+  }
+#endif
+  return ns;
 }
 
 }  // namespace specfx_tiled

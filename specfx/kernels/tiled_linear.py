@@ -25,7 +25,8 @@
   prefill's graph every width.
 - `stream_sum()`: the header's plain streaming sum as a call on a float32 CPU tensor (the
   roofline's probe of the machine's memory speed; no step uses it); `fma_peak()`: register-only
-  multiply-adds on every thread (its probe of the machine's float32 compute).
+  multiply-adds on every thread (its probe of the machine's float32 compute); `handoff()`: a
+  cache line passed between two threads (how far apart the kernels' threads sit).
 - `register()` gives Inductor the lowerings (`runtime.compile` calls it before compiling);
   `available()` says whether this torch's Inductor compiles them (a small graph, compiled and
   checked once per process). Where it does not, nothing inserts them.
@@ -397,7 +398,7 @@ def available() -> tuple[bool, str]:
 
 @cache
 def _probes():
-    """The header's probes (`stream_sum`, `fma_peak`) as ctypes calls, compiled once per process
+    """The header's probes (`stream_sum`, `fma_peak`, `handoff`) as ctypes calls, compiled once per process
     by Inductor's C++ code cache with the flags of the kernels it compiles into a graph."""
     from torch._inductor.codecache import CppCodeCache
 
@@ -407,10 +408,14 @@ def _probes():
                             'extern "C" float specfx_fma_peak(long iters, int threads)\n'
                             "{ return specfx_tiled::fma_peak(iters, threads); }\n"
                             'extern "C" int specfx_fma_lanes()\n'
-                            "{ return specfx_tiled::FMA_ACCUMULATORS * specfx_tiled::V; }\n")
+                            "{ return specfx_tiled::FMA_ACCUMULATORS * specfx_tiled::V; }\n"
+                            'extern "C" double specfx_handoff(long trips, int threads)\n'
+                            "{ return specfx_tiled::handoff(trips, threads); }\n")
     lib.specfx_stream_sum.restype = lib.specfx_fma_peak.restype = ctypes.c_float
     lib.specfx_stream_sum.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     lib.specfx_fma_peak.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.specfx_handoff.restype = ctypes.c_double
+    lib.specfx_handoff.argtypes = [ctypes.c_long, ctypes.c_int]
     return lib
 
 
@@ -438,3 +443,20 @@ def fma_peak(iters: int = 100_000):
     lib, threads = _probes(), parallel_num_threads()
     flops = 2 * iters * lib.specfx_fma_lanes() * threads            # accumulators x lanes a thread
     return (lambda: lib.specfx_fma_peak(iters, threads)), flops
+
+
+def handoff(trips: int = 2000):
+    """A call `f() -> float | None`: the mean nanoseconds of a round trip of one cache line
+    between threads 0 and 1 of Inductor's thread count (the header's `handoff`, `trips` of them),
+    or None on one thread. Tens of nanoseconds where the two share a last-level cache, several
+    times that across chiplets: what each value a kernel's thread reads from the other's writes
+    costs in a step."""
+    from torch._inductor.utils import parallel_num_threads
+
+    lib, threads = _probes(), parallel_num_threads()
+
+    def call() -> float | None:
+        ns = lib.specfx_handoff(trips, threads) if threads >= 2 else -1.0
+        return ns if ns > 0 else None
+
+    return call
