@@ -11,10 +11,12 @@ With `--split GBPS`, each round of profiles first samples the machine as `specfx
 (`bench.MachineSpeed`: the model's weight bytes read by the header's `stream_sum`, the fastest
 of three reads) and goes to the slow or the fast phase by the stream's speed; rounds go on for
 up to `--seconds` until each phase has three (a phase that has them skips its rounds), and each
-phase gets its own table.
+phase gets its own table. With `--split-ns NS` instead, the round trip of a cache line between
+the kernels' first two threads (`tiled_linear.handoff`, the fastest of three) decides: below NS
+the "near" placement (one last-level cache), at or above it the "far" one.
 
     python benchmarks/step_kernels.py [--drafts none,mtp:pycoder-mtp:tree=1x1x1,mtp] [--span 192] [--top 30]
-                                      [--split 42 --seconds 600]
+                                      [--split 42 | --split-ns 150] [--seconds 600]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specfx import zoo
 from specfx.bench import MachineSpeed
+from specfx.kernels import tiled_linear
 from specfx.matmul_choice import round_robin
 from timing import at_span
 
@@ -40,7 +43,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--split", type=float, help="GB/s between the slow and the fast phase (default: no phases)")
-    ap.add_argument("--seconds", type=float, default=600, help="with --split: the most time its rounds take")
+    ap.add_argument("--split-ns", type=float, help="ns of the threads' round trip between the near and the far placement")
+    ap.add_argument("--seconds", type=float, default=600, help="with --split or --split-ns: the most time its rounds take")
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     model, tok = zoo.load("pycoder")
@@ -49,19 +53,26 @@ def main() -> None:
     steps = round_robin({d: rt._step for d, rt in runtimes.items()}, 100)
     print("fused step, us (round-robin, median of 100): " + "  ".join(f"{d} {s * 1e6:.0f}" for d, s in steps.items()))
     speed = MachineSpeed(model) if args.split else None
+    trip = tiled_linear.handoff() if args.split_ns else None
+    if trip is not None and trip() is None:
+        ap.error("--split-ns times a round trip between two threads: run on two or more")
     phases: dict[str, dict[tuple[str, str], list[float]]] = {}
     rounds: dict[str, int] = {}
     end = time.time() + args.seconds
 
     def more() -> bool:         # three rounds; with phases, three of each, or the time is up
-        if speed is None:
+        if speed is None and trip is None:
             return sum(rounds.values()) < 3
         return time.time() < end and (len(rounds) < 2 or min(rounds.values()) < 3)
 
     while more():
         if speed is not None:
             speed.sample()
-        phase = "all" if speed is None else "slow" if speed.stream_gbps[-1] < args.split else "fast"
+            phase = "slow" if speed.stream_gbps[-1] < args.split else "fast"
+        elif trip is not None:
+            phase = "near" if min(trip() for _ in range(3)) < args.split_ns else "far"
+        else:
+            phase = "all"
         if rounds.get(phase, 0) >= 3:
             continue
         rounds[phase] = rounds.get(phase, 0) + 1
@@ -74,9 +85,12 @@ def main() -> None:
                 if not e.name.startswith(("aten::", "ProfilerStep")):
                     events.setdefault((d, e.name[:70]), []).append(e.cpu_time_total)
     for phase, events in phases.items():
-        if phase != "all":
+        if phase in ("slow", "fast"):
             print(f"{phase} phase (the stream {'below' if phase == 'slow' else 'at or above'} {args.split:g} GB/s): "
                   f"{rounds[phase]} rounds")
+        elif phase != "all":
+            print(f"{phase} placement (the threads' round trip {'below' if phase == 'near' else 'at or above'} "
+                  f"{args.split_ns:g} ns): {rounds[phase]} rounds")
         table(events, drafts, rounds[phase] * args.steps, args.top)
 
 

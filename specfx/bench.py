@@ -113,8 +113,8 @@ class MachineSpeed:
     Which of those phases a run is in can be where the threads sit, so `sample()` also times
     the round trip of a cache line between the kernels' first two threads (`handoff`): on a
     2-core AMD EPYC, `benchmarks/stream_phases.py --split-ns 150` found two placements, 53 ns
-    at a median stream of 34.1 GB/s and 338 ns at 54.3 (their last-level caches, and links to
-    memory, apart; README, "Draft trees").
+    at a median stream of 33.9 GB/s and 328 ns at 53.9 (as where two cores sit on different
+    chiplets, each with its own last-level cache and link to memory; README, "Draft trees").
     `sample()` costs three reads of the buffer, about 1 ms of multiply-adds and three times
     `HANDOFF_TRIPS` round trips.
     None of this on a GPU, without the compiled header, or for weights other than float32."""
@@ -154,9 +154,7 @@ class MachineSpeed:
         (two FLOPs a row for every four bytes read) needs as long for its multiply-adds at the
         FMA peak as for its bytes at the stream's speed, 2 x GFLOP/s / GB/s: a pass over fewer
         rows is held by the stream, one over more by the multiply-adds. "handoff_ns": the round
-        trip's [lowest, median, highest] and "handoff_slow": how many samples took more than
-        twice the lowest (the threads placed apart for that share of the run); both None on one
-        thread."""
+        trip's [lowest, median, highest] (None on one thread)."""
         if not self.stream_gbps:
             return None
         spread = lambda v: [min(v), statistics.median(v), max(v)]  # noqa: E731
@@ -164,8 +162,7 @@ class MachineSpeed:
         trips = self.handoff_ns
         return {"samples": len(self.stream_gbps), "stream_mb": self.nbytes / 1e6,
                 "stream_gbps": spread(self.stream_gbps), "fma_gflops": spread(self.fma_gflops),
-                "ridge_rows": spread(ridge), "handoff_ns": spread(trips) if trips else None,
-                "handoff_slow": sum(ns > 2 * min(trips) for ns in trips) if trips else None}
+                "ridge_rows": spread(ridge), "handoff_ns": spread(trips) if trips else None}
 
 
 class _FirstTokenClock:
@@ -459,8 +456,7 @@ def machine_caption(machine: dict | None) -> str | None:
     trips = ""
     if machine.get("handoff_ns"):
         h0, h1, h2 = machine["handoff_ns"]
-        trips = (f"; a cache line between the first two threads and back {h1:.0f} ns ({h0:.0f}-{h2:.0f}), "
-                 f"over twice the fastest in {machine['handoff_slow']} of the samples")
+        trips = f"; a cache line between the first two threads and back in {h1:.0f} ns ({h0:.0f}-{h2:.0f})"
     return (f"machine between the prompts' rounds ({machine['samples']} samples, median and range): "
             f"{machine['stream_mb']:.1f} MB streamed at {s1:.1f} GB/s ({s0:.1f}-{s2:.1f}), "
             f"FMA peak {f1:.1f} GFLOP/s ({f0:.1f}-{f2:.1f}); ridge {r1:.1f} rows ({r0:.1f}-{r2:.1f}): "
