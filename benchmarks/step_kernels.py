@@ -43,8 +43,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--split", type=float, help="GB/s between the slow and the fast phase (default: no phases)")
-    ap.add_argument("--split-ns", type=float, help="ns of the threads' round trip between the near and the far placement")
-    ap.add_argument("--seconds", type=float, default=600, help="with --split or --split-ns: the most time its rounds take")
+    ap.add_argument("--split-ns", type=float,
+                    help="ns of the threads' round trip between the near and the far placement")
+    ap.add_argument("--seconds", type=float, default=600,
+                    help="with --split or --split-ns: the most time its rounds take")
     args = ap.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
     model, tok = zoo.load("pycoder")
@@ -70,7 +72,8 @@ def main() -> None:
             speed.sample()
             phase = "slow" if speed.stream_gbps[-1] < args.split else "fast"
         elif trip is not None:
-            phase = "near" if min(trip() for _ in range(3)) < args.split_ns else "far"
+            ns = min((t for t in (trip() for _ in range(3)) if t), default=float("inf"))
+            phase = "near" if ns < args.split_ns else "far"
         else:
             phase = "all"
         if rounds.get(phase, 0) >= 3:

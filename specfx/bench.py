@@ -25,8 +25,8 @@ How it measures (printed with every table):
   header's hand-written stream and its register-only FMA loop, so that a table says which phase
   it ran in (the floor of a step over few rows is its bytes at the first, of one over many rows
   its multiply-adds at the second), the ridge between the two in query rows, and the round trip
-  of a cache line between the kernels' first two threads (where they sit: one last-level cache,
-  or two chiplets with a link to memory each, faster to stream and slower to hand values over).
+  of a cache line between the kernels' first two threads (where they sit: on one last-level
+  cache, or on two, which on a 2-core EPYC streamed faster and handed values over slower).
 """
 
 from __future__ import annotations
