@@ -30,7 +30,7 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from specfx import zoo
-from specfx.bench import MachineSpeed
+from specfx.bench import MachineSpeed, fastest_handoff
 from specfx.kernels import tiled_linear
 from specfx.matmul_choice import round_robin
 from timing import at_span
@@ -72,8 +72,7 @@ def main() -> None:
             speed.sample()
             phase = "slow" if speed.stream_gbps[-1] < args.split else "fast"
         elif trip is not None:
-            ns = min((t for t in (trip() for _ in range(3)) if t), default=float("inf"))
-            phase = "near" if ns < args.split_ns else "far"
+            phase = "near" if (fastest_handoff(trip) or float("inf")) < args.split_ns else "far"
         else:
             phase = "all"
         if rounds.get(phase, 0) >= 3:

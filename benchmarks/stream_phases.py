@@ -24,7 +24,7 @@ import json
 import statistics
 
 from specfx import zoo
-from specfx.bench import MachineSpeed
+from specfx.bench import MachineSpeed, fastest_handoff
 from specfx.kernels import tiled_linear
 from specfx.matmul_choice import machine
 from timing import at_span, round_args, timed_rounds
@@ -56,7 +56,7 @@ def main() -> None:
         ap.error("--split-ns times a round trip between two threads: run on two or more")
     runs = []
     for _ in range(args.repeats):                  # a set at a time, each after its round trip
-        ns = min((t for t in (trip() for _ in range(3)) if t), default=float("inf")) if trip else None
+        ns = (fastest_handoff(trip) or float("inf")) if trip else None
         if ns is not None:
             print(f"round trip {ns:.0f} ns  ", end="")
         run = timed_rounds(calls, args.rounds, 1, str)[0]

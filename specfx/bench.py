@@ -82,7 +82,6 @@ class BenchResult:
 
 
 PROBE_READS = 3
-HANDOFF_TRIPS = 2000        # round trips a `handoff` sample times: under a millisecond
 
 
 def _fastest(call) -> float:
@@ -93,6 +92,13 @@ def _fastest(call) -> float:
         call()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def fastest_handoff(trip) -> float | None:
+    """The fewest nanoseconds of `PROBE_READS` calls of `trip` (a `tiled_linear.handoff()`
+    call); None where none timed a round trip (one thread)."""
+    trips = [ns for ns in (trip() for _ in range(PROBE_READS)) if ns is not None]
+    return min(trips) if trips else None
 
 
 # The most bytes `MachineSpeed` streams: a model's weight bytes up to this (many times a
@@ -115,8 +121,8 @@ class MachineSpeed:
     2-core AMD EPYC, `benchmarks/stream_phases.py --split-ns 150` found two placements, 53 ns
     at a median stream of 33.9 GB/s and 328 ns at 53.9 (as where two cores sit on different
     chiplets, each with its own last-level cache and link to memory; README, "Draft trees").
-    `sample()` costs three reads of the buffer, about 1 ms of multiply-adds and three times
-    `HANDOFF_TRIPS` round trips.
+    `sample()` costs three reads of the buffer, about 1 ms of multiply-adds and three calls of
+    `handoff`'s 2000 round trips.
     None of this on a GPU, without the compiled header, or for weights other than float32."""
 
     def __init__(self, model):
@@ -135,7 +141,7 @@ class MachineSpeed:
         huge_pages([self.buffer])
         self.stream = tiled_linear.stream_sum()
         self.fma, self.flops = tiled_linear.fma_peak()
-        self.handoff = tiled_linear.handoff(HANDOFF_TRIPS)
+        self.handoff = tiled_linear.handoff()
 
     def sample(self) -> None:
         """One sample of each: the fastest of `PROBE_READS` calls (a read that an interrupt or
@@ -144,9 +150,9 @@ class MachineSpeed:
             return
         self.stream_gbps.append(self.nbytes / _fastest(lambda: self.stream(self.buffer)) / 1e9)
         self.fma_gflops.append(self.flops / _fastest(self.fma) / 1e9)
-        trips = [ns for ns in (self.handoff() for _ in range(PROBE_READS)) if ns is not None]
-        if trips:
-            self.handoff_ns.append(min(trips))
+        ns = fastest_handoff(self.handoff)
+        if ns is not None:
+            self.handoff_ns.append(ns)
 
     def summary(self) -> dict | None:
         """{"samples", "stream_gbps", "fma_gflops" and "ridge_rows" as [lowest, median, highest],
