@@ -198,30 +198,14 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     `explicit_mask` the graph takes the KV slots to write and the visibility mask as inputs
     (`forward(input_ids, positions, span, slots, visible)`, as a verify graph does)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
-    kv = decoder.kv(0)[0]
-    key = (width, batch_size, max_seq_len, dynamic_width, explicit_mask, decoder.reduce_attention,
-           decoder.tiled_attention, attention.TILED_PREFILL, kv.dtype, kv.device, _fingerprint(model))
-    models = _captures.setdefault(model, {})
-    if key not in models:
-        for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
-            del models[stale]
-    if key not in models and key in _shared:                     # the same structure, another model
-        models[key] = _shared[key]
-        _shared.move_to_end(key)
-    if key not in models:
-        device = kv.device
-        ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-        pos = static_positions(batch_size, width, device)
-        args = (ids, pos, example_span(max_seq_len, device))
-        if explicit_mask:
-            args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
-        exported = export_graph(decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else ())
-        models[key] = _Captured(_bare(exported.graph), {t: _attr(exported, t) for t in _targets(exported.graph)
-                                                        if _attr(decoder, t) is None})
-        _shared[key] = models[key]
-        while len(_shared) > _SHARED_MAX:
-            _shared.popitem(last=False)
-    gm = _copy(models[key], decoder)
+    device = decoder.kv(0)[0].device
+    ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+    pos = static_positions(batch_size, width, device)
+    args = (ids, pos, example_span(max_seq_len, device))
+    if explicit_mask:
+        args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
+    gm = export_cached(model, decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else (),
+                       key=(max_seq_len, decoder.reduce_attention, decoder.tiled_attention, decoder.kv(0)[0].dtype))
     try:
         structure = find_structure(gm)
     except StructureError as e:
@@ -230,14 +214,50 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     return CapturedGraph(gm, structure, width, batch_size, max_seq_len)
 
 
-# The graphs `capture` exported, per model (gone with it) and key: compiling one model for several
-# drafters, exit layers or tree shapes exports the same graphs again (about a second each on a
-# tiny model, several on a large one), and the passes only ever rewrite a copy (over the
-# parameters of the model and the KV buffers of the capture's decoder: the cache keeps no tensor
-# of the model's, so nothing it holds can keep the weights alive). A key holds the
-# capture's arguments and the model's fingerprint (`_fingerprint`: its structure where another
-# model can share it, else its modules and tensors by identity): a model changed since is
-# exported anew.
+def export_cached(owner: nn.Module, root: nn.Module, args: tuple, *, key: tuple = (), modules: tuple = (),
+                  span_arg: int | None = None, width_args: tuple[int, ...] = ()) -> fx.GraphModule:
+    """`export_graph(root, args, ...)`, or a copy of the graph it gave before, over `root`'s
+    tensors: the graphs of `owner` (the model whose weights `root` reads), looked up by `key`
+    (the settings of `root` its forward reads), the fingerprints of `modules` (those `root`
+    holds beside `owner`'s) and of `owner`, the shapes of `args` and the dynamic sizes. A graph
+    that reads a tensor of `owner` or `root` as a constant (from a module outside `root`) is
+    not kept: a copy would read the old tensor."""
+    key = (*key, *(_fingerprint(m) for m in modules), attention.TILED_PREFILL, span_arg, tuple(width_args),
+           tuple((tuple(a.shape), a.dtype, a.device) for a in args), _fingerprint(owner))
+    models = _captures.setdefault(owner, {})
+    if key not in models:
+        for stale in [k for k in models if k[-1] != key[-1]]:     # the model as it was before
+            del models[stale]
+    if key not in models and key in _shared:                     # the same structure, another model
+        models[key] = _shared[key]
+        _shared.move_to_end(key)
+    if key in models:
+        return _copy(models[key], root)
+    exported = export_graph(root, args, span_arg=span_arg, width_args=width_args)
+    captured = _Captured(_bare(exported.graph), {t: _attr(exported, t) for t in _targets(exported.graph)
+                                                 if _attr(root, t) is None})
+    held = {_storage(t) for m in (owner, root) for t in (*m.parameters(), *m.buffers())} - {0}
+    if not any(_storage(t) in held for t in captured.constants.values()):
+        models[key] = _shared[key] = captured
+        while len(_shared) > _SHARED_MAX:
+            _shared.popitem(last=False)
+    return _copy(captured, root)
+
+
+def _storage(t) -> int:
+    """Where a tensor's memory starts (an export's constant read from a parameter is another
+    tensor over the parameter's memory)."""
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
+
+
+# The graphs `export_cached` exported (the captures of `capture`, an MTP head's graphs), per
+# model (gone with it) and key: compiling one model for several drafters, exit layers or tree
+# shapes exports the same graphs again (about a second each on a tiny model, several on a large
+# one), and the passes only ever rewrite a copy (over the parameters of the model and the KV
+# buffers of the capture's decoder or head: the cache keeps no tensor of the model's, so nothing
+# it holds can keep the weights alive). A key holds the export's arguments and settings and the
+# model's fingerprint (`_fingerprint`: its structure where another model can share it, else its
+# modules and tensors by identity): a model changed since is exported anew.
 _captures: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Captured]] = weakref.WeakKeyDictionary()
 
 # The same graphs, shared between models of one structure (`_structure`): a graph reads every

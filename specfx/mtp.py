@@ -361,6 +361,11 @@ class StaticHead(nn.Module):
     def kv(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, kv_name("k", 0)), getattr(self, kv_name("v", 0))
 
+    def settings(self) -> tuple:
+        """What `forward` reads besides its modules and tensors (a key of `capture.export_cached`)."""
+        return (type(self), self.max_seq_len, self.with_logits, self.reduce_attention, self.tiled_attention,
+                self.config.to_json_string())
+
     @staticmethod
     def kv_names() -> list[str]:
         """The head's KV buffers, as its graphs name them (`passes.ShareKVBuffers`)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_graph,
+from specfx.capture import (StaticDecoder, architecture, capture, example_span, export_cached, export_graph,
                             static_positions)
 from specfx.drafters import (EARLY_EXIT_TREE, DraftModel, EarlyExit, MTPHead, NoDraft, PromptLookup,
                              check_same_tokenizer, default_exit_layer)
@@ -405,7 +405,8 @@ def _build_mtp(ctx: BuildContext) -> Drafting:
         args = (ids, hidden, static_positions(B, width, param.device), example_span(ctx.seq_len, param.device))
         if keep:                                    # the one query whose outputs are kept: see StaticHead
             args += (torch.zeros(B, 1, dtype=torch.long, device=param.device),)
-        gm = export_graph(static, args, span_arg=3, width_args=(0, 1, 2) if dynamic else ())
+        gm = export_cached(model, static, args, key=static.settings(), modules=(head, static.lm_head),
+                           span_arg=3, width_args=(0, 1, 2) if dynamic else ())
         if matmul is not None:                      # a graph `_settle_draft` times, not one of the build's
             return PassManager().run_all(tail_passes(matmul, static.kv_names()), gm, graph=name)
         return pm.run_all(ctx.tail(static.kv_names()), gm, graph=name)

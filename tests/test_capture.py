@@ -170,3 +170,24 @@ def test_captures_are_reused_per_model_and_never_share_kv(monkeypatch):
     del model, first, second, third, cached
     gc.collect()
     assert gone() is None
+
+
+def test_a_graph_that_reads_a_weight_outside_its_module_is_not_kept():
+    """`export_cached` keeps no graph that reads a tensor of the model as a constant (a module
+    the exported one holds outside its tree): a copy would go on reading the old weight."""
+    from specfx.capture import export_cached
+
+    class Reads(nn.Module):
+        def __init__(self, other):
+            super().__init__()
+            self.__dict__["other"] = other                 # not a submodule
+
+        def forward(self, x):
+            return (x @ self.other.weight.T,)
+
+    owner = nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4)
+    export_cached(owner, Reads(owner), (x,))
+    with torch.no_grad():
+        owner.weight = nn.Parameter(torch.randn(4, 4))
+    torch.testing.assert_close(export_cached(owner, Reads(owner), (x,))(x)[0], x @ owner.weight.T)

@@ -265,6 +265,45 @@ def test_int8_weights_keep_each_row_to_half_a_step_of_its_scale():
     torch.testing.assert_close(stored(x), linear(x), atol=0.05, rtol=0.02)
 
 
+def test_head_graphs_are_exported_once_per_structure_and_read_each_heads_weights(tmp_path, monkeypatch):
+    """A second build over a head of the same structure (a chain and a tree, another head's
+    weights) copies the head's exported graphs instead of exporting them again, and the copies
+    draft with the new head's weights: the same drafts as a build that exported them itself. A
+    head stored in int8 is another structure: exported anew."""
+    from specfx import capture as capture_module
+
+    exports = []
+    real = capture_module.export_graph
+    monkeypatch.setattr(capture_module, "export_graph",
+                        lambda root, *a, **kw: exports.append(type(root).__name__) or real(root, *a, **kw))
+    model = tiny_model("llama", layers=2, seed=3)
+    first, other = new_head(model), new_head(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    paths = [_saved(tmp_path / name, model, head) for name, head in (("first", first), ("other", other))]
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def drafts(path, **kw):
+        fast = specfx.compile(model, draft=specfx.MTPHead(path, **kw), num_speculative_tokens=3, max_seq_len=64,
+                              backend="eager")
+        out = fast.generate(ids, max_new_tokens=24, eos_token_id=[])
+        return out.tolist(), fast.graphs.state.accept_hist.tolist()
+
+    drafts(paths[0])
+    exported = exports.count("StaticHead")
+    assert exported > 0
+    drafts(paths[0], tree=(2, 1, 1))
+    shared = drafts(paths[1])
+    assert exports.count("StaticHead") == exported          # the chain's head graphs, copied
+    monkeypatch.setattr(capture_module, "_shared", type(capture_module._shared)())
+    capture_module._captures.pop(model)
+    assert shared == drafts(paths[1])                      # as a build of its own drafts
+    assert exports.count("StaticHead") == 2 * exported
+    drafts(paths[1], weights_dtype="int8")
+    assert exports.count("StaticHead") == 3 * exported
+
+
 @pytest.mark.parametrize("weights_dtype", [None, "bfloat16", "int8"])
 def test_mtp_artifact_round_trip(tmp_path, weights_dtype):
     model = tiny_model("qwen2", layers=2, seed=5)
