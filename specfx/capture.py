@@ -198,14 +198,15 @@ def capture(model: nn.Module, *, width: int, batch_size: int = 1, max_seq_len: i
     `explicit_mask` the graph takes the KV slots to write and the visibility mask as inputs
     (`forward(input_ids, positions, span, slots, visible)`, as a verify graph does)."""
     decoder = decoder or StaticDecoder(model, batch_size, max_seq_len)
-    device = decoder.kv(0)[0].device
+    kv = decoder.kv(0)[0]
+    device = kv.device
     ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
     pos = static_positions(batch_size, width, device)
     args = (ids, pos, example_span(max_seq_len, device))
     if explicit_mask:
         args += (pos.clone(), position_mask(pos, kv_slots(decoder.max_seq_len), torch.float32) == 0)
     gm = export_cached(model, decoder, args, span_arg=2, width_args=(0, 1) if dynamic_width else (),
-                       key=(max_seq_len, decoder.reduce_attention, decoder.tiled_attention, decoder.kv(0)[0].dtype))
+                       key=(max_seq_len, decoder.reduce_attention, decoder.tiled_attention, kv.dtype))
     try:
         structure = find_structure(gm)
     except StructureError as e:
